@@ -1,0 +1,450 @@
+"""The background half of a save: write, coordinate, publish (worker process or thread).
+
+One :class:`Engine` per rank runs one :class:`SaveJob` at a time and returns a
+:class:`JobOutcome`. All ranks' engines run the same sequence of collectives for a save, chosen
+from values every rank shares (the job's mode, which every trainer picks from outcomes that every
+rank received, and the values the collectives return). Per mode:
+
+``COLLECTIVE`` (first save, or no reuse possible)
+    gather local plans -> coordinator builds the global plan and ``Metadata`` -> scatter each
+    rank's assignment -> write -> gather write results -> coordinator publishes ``.metadata`` ->
+    broadcast the outcome (and, in create mode, the metadata now prepared).
+``CACHED`` (``assume_constant_structure`` after two identical global plans)
+    write the cached assignment -> gather write results -> publish -> broadcast the outcome.
+``REUSE`` (prepared metadata)
+    write in the prepared layout -> local layout guard -> **one all_reduce(MIN)** of the status
+    (0 failed / 1 drifted / 2 ok) -> on 2 the coordinator publishes the prepared metadata with
+    this checkpoint's ``storage_meta``. On 0 every rank all-gathers the errors (failure path
+    only); on 1 with ``"raise"`` every rank all-gathers the drifts; with ``"fallback"`` every
+    rank runs the collective path for this save and the prepared metadata is refreshed.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ._coordinate import Channel, CollectiveCall
+from ._layout import (
+    PlacedItem,
+    PlanValidationError,
+    assign_writers,
+    bucket_items,
+    build_metadata,
+    build_state_dict_metadata,
+    check_layout,
+    check_results_cover,
+    file_name,
+)
+from ._plan import ItemKey, ItemKind, ItemSpec, spec_from_compact
+from ._prepared import PreparedMetadata, save_prepared_metadata
+from ._publish import MetadataTemplate, publish_metadata, unpublish
+from ._safe_pickle import safe_loads
+from ._stage import SegmentReader, StagedItem, StagedSave
+from ._write import FileWriter, Record, WriteResult, bytes_slot
+
+STATUS_FAILED, STATUS_DRIFT, STATUS_OK = 0, 1, 2
+
+
+class Mode(str, enum.Enum):
+    COLLECTIVE = "collective"
+    CACHED = "cached"
+    REUSE = "reuse"
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Everything the background needs for one save (picklable; sent to the worker)."""
+
+    seq: int
+    directory: str
+    mode: Mode
+    staged: StagedSave
+    #: Every item this rank holds (for the global plan on the collective path).
+    held: tuple[ItemSpec, ...]
+    structure_hash: str
+    planner_data: dict
+    #: REUSE: this rank's files in the prepared metadata, items in offset order.
+    layout: tuple[tuple[str, tuple[PlacedItem, ...]], ...] = ()
+    #: REUSE/CACHED: why this rank cannot write the known layout (found while planning).
+    local_drift: tuple[str, ...] = ()
+    #: REUSE: the prepared metadata, sent once per token; later jobs send only the token.
+    prepared_token: int = 0
+    prepared: PreparedMetadata | None = None
+    #: Path of the prepared file to create (create mode) or refresh (fallback); may be None.
+    prepared_path: str | None = None
+    create_prepared: bool = False
+    on_layout_drift: str = "fallback"
+    submitted_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What the background reports for one save (identical ``ok``/``failures`` on every rank)."""
+
+    seq: int
+    ok: bool
+    mode: str
+    bytes_written: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    collectives: tuple[CollectiveCall, ...] = ()
+    failures: dict[int, str] = field(default_factory=dict)
+    drifts: dict[int, list[str]] = field(default_factory=dict)
+    error_kind: str | None = None  # "failed" | "drift" | "coordination"
+    #: Keys this rank wrote (the trainer stages only these while the structure is known).
+    written_keys: frozenset[ItemKey] | None = None
+    cache_validated: bool = False
+    #: Create mode / fallback: the complete metadata now prepared (every rank receives it).
+    prepared_metadata: Metadata | None = None
+    published: bool | None = None
+    warnings: tuple[str, ...] = ()
+    finished_at: float = 0.0
+
+
+class _CoordinationError(Exception):
+    pass
+
+
+@dataclass
+class _Cache:
+    """Engine-side state for ``assume_constant_structure`` (owned by one Engine)."""
+
+    last_global_hash: str | None = None
+    validated: bool = False
+    state_dict_metadata: dict | None = None
+    planner_data: dict | None = None
+    files: list[tuple[str, list[ItemSpec]]] = field(default_factory=list)
+
+
+def _describe(e: BaseException) -> str:
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+class Engine:
+    """Runs save jobs for one rank. Owned by a worker process or a worker thread."""
+
+    def __init__(self, channel: Channel, workers: int, writer: FileWriter | None = None) -> None:
+        self.channel = channel
+        self.rank = channel.rank
+        self.world_size = channel.world_size
+        self.workers = workers
+        self.writer = writer or FileWriter()
+        self.reader = SegmentReader()
+        self.cache = _Cache()
+        self._prepared: tuple[int, PreparedMetadata] | None = None
+        self._warnings: list[str] = []
+
+    def close(self) -> None:
+        self.reader.close()
+
+    # ------------------------------------------------------------------------------------
+    def run(self, job: SaveJob) -> JobOutcome:
+        mark = self.channel.counter.mark()
+        timings: dict[str, float] = defaultdict(float)
+        if job.staged.cuda_event is not None:  # pragma: no cover - CUDA only
+            job.staged.cuda_event.synchronize()
+        try:
+            if job.mode is Mode.REUSE:
+                out = self._reuse(job, timings)
+            elif job.mode is Mode.CACHED:
+                out = self._cached(job, timings)
+            else:
+                out = self._collective(job, timings)
+        except Exception as e:  # noqa: BLE001 - a collective failed (peer died, timeout)
+            self.cache = _Cache()
+            out = JobOutcome(job.seq, False, job.mode.value, failures={self.rank: _describe(e)},
+                             error_kind="coordination")
+        calls = tuple(self.channel.counter.since(mark))
+        if self._warnings:
+            out = _replace(out, warnings=out.warnings + tuple(self._warnings))
+            self._warnings = []
+        timings["coordinate"] = sum(c.seconds for c in calls)
+        return _replace(out, timings=dict(timings), collectives=calls, finished_at=time.time())
+
+    # -- writing ----------------------------------------------------------------------------
+    def _records(self, job: SaveJob, items: list[StagedItem], pad: dict[ItemKey, int]) -> list[Record]:
+        recs = []
+        for it in items:
+            if it.payload is not None:
+                recs.append(Record(it.spec.key, payload=it.payload, pad_to=pad.get(it.spec.key)))
+            else:
+                recs.append(Record(it.spec.key, tensor=self.reader.tensor(job.staged, it)))
+        return recs
+
+    def _write(self, job: SaveJob, files: list[tuple[str, list[StagedItem]]],
+               pad: dict[ItemKey, int], timings: dict[str, float]) -> list[WriteResult]:
+        t0 = time.perf_counter()
+        os.makedirs(job.directory, exist_ok=True)
+        unpublish(job.directory)  # never leave an old .metadata next to new data files
+        todo = [(name, self._records(job, items, pad)) for name, items in files]
+        try:
+            return self.writer.write_files(job.directory, todo)
+        finally:
+            del todo
+            timings["write"] += time.perf_counter() - t0
+
+    def _bucketed(self, staged: dict[ItemKey, StagedItem], specs: list[ItemSpec]
+                  ) -> tuple[list[tuple[str, list[StagedItem]]], dict[ItemKey, int]]:
+        files = []
+        pad = {}
+        for n, bucket in enumerate(bucket_items(specs, self.workers)):
+            files.append((file_name(self.rank, n), [staged[s.key] for s in bucket]))
+            for s in bucket:
+                it = staged[s.key]
+                if it.payload is not None:
+                    pad[s.key] = bytes_slot(len(it.payload))
+        return files, pad
+
+    # -- publishing (coordinator) --------------------------------------------------------------
+    def _publish(self, job: SaveJob, data: bytes, timings: dict[str, float]) -> None:
+        t0 = time.perf_counter()
+        publish_metadata(job.directory, data, fsync=self.writer.fsync)
+        timings["publish"] += time.perf_counter() - t0
+
+    # -- the collective path ----------------------------------------------------------------
+    def _collective(self, job: SaveJob, timings: dict[str, float],
+                    prewritten: list[WriteResult] | None = None, drifts: tuple[str, ...] = (),
+                    fallback: bool = False) -> JobOutcome:
+        ch = self.channel
+        staged = {it.spec.key: it for it in job.staged.items}
+        local = ([s.compact() for s in job.held], list(staged), job.planner_data,
+                 prewritten, list(drifts))
+        gathered = ch.gather_object(local)
+        decisions: list[Any] | None = None
+        if ch.is_coordinator:
+            assert gathered is not None  # noqa: S101
+            decisions = self._global_plan(gathered)
+        mine = ch.scatter_object(decisions)
+        if mine[0] == "error":
+            return JobOutcome(job.seq, False, "collective", failures={ch.coordinator: mine[1]},
+                              error_kind="failed")
+        _, keys, skip_write, validated, all_drifts = mine
+        results: list[WriteResult] | None = None
+        err = None
+        if skip_write:
+            results = prewritten
+        else:
+            try:
+                specs = [staged[k].spec for k in keys]
+                files, pad = self._bucketed(staged, specs)
+                results = self._write(job, files, pad, timings)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                err = _describe(e)
+        gathered2 = ch.gather_object((results, err))
+        message = None
+        if ch.is_coordinator:
+            assert gathered2 is not None  # noqa: S101
+            message = self._finish_collective(job, gathered2, timings)
+        failures, prepared_md, published = ch.broadcast_object(message)
+        ok = not failures
+        written = frozenset(k for k, *_ in (results or ())) if ok else None
+        if ok:
+            self.cache.files = ([(name, [staged[i.spec.key].spec for i in items])
+                                 for name, items in self._bucketed(staged, [staged[k].spec for k in keys])[0]]
+                                if not skip_write else [])
+            self.cache.validated = validated
+        else:
+            self.cache = _Cache()
+        warnings = ()
+        if fallback and ok:
+            warnings = ("layout drift: the prepared metadata no longer matches; this save took the "
+                        "collective path and the prepared metadata was refreshed. Drifted: "
+                        + "; ".join(f"rank {r}: {', '.join(d[:5])}" for r, d in sorted(all_drifts.items()) if d),)
+        return JobOutcome(
+            job.seq, ok, "reuse+fallback" if fallback else ("create" if job.create_prepared else "collective"),
+            bytes_written=_bytes(results) if ok and not skip_write else 0,
+            failures=failures, error_kind=None if ok else "failed", written_keys=written,
+            cache_validated=validated and ok, prepared_metadata=prepared_md,
+            published=published if ch.is_coordinator else None, warnings=warnings,
+            drifts=all_drifts if fallback else {})
+
+    def _global_plan(self, gathered: list[Any]) -> list[Any]:
+        """Coordinator: merge the ranks' plans, assign writers, decide whether to write."""
+        try:
+            held = [[spec_from_compact(t) for t in g[0]] for g in gathered]
+            staged_keys = [set(map(_key, g[1])) for g in gathered]
+            by_key: dict[ItemKey, ItemSpec] = {}
+            for specs in held:
+                for s in specs:
+                    by_key.setdefault(s.key, s)
+            sdm = build_state_dict_metadata(s for specs in held for s in specs)
+            nobody = set(by_key) - set().union(*staged_keys)
+            if nobody:
+                names = ", ".join(sorted(k[0] for k in nobody)[:10])
+                raise PlanValidationError(
+                    f"{len(nobody)} item(s) were staged by no rank ({names}): the structure "
+                    "changed on some ranks but not others; the next save re-plans from scratch")
+            staged_specs = [[by_key[k] for k in keys] for keys in staged_keys]
+            prefer = {}
+            for r, g in enumerate(gathered):
+                for k, *_ in g[3] or ():
+                    prefer.setdefault(_key(k), r)
+            assigned = assign_writers(staged_specs, prefer)
+            skip = all(g[3] is not None for g in gathered) and all(
+                {_key(k) for k, *_ in g[3]} == {s.key for s in assigned[r]}
+                for r, g in enumerate(gathered))
+            planner_data: dict = {}
+            for g in gathered:
+                planner_data.update(g[2])
+            import hashlib
+
+            ghash = hashlib.sha256(repr(
+                [sorted((s.key, s.sizes, s.global_size, s.dtype, int(s.kind)) for s in a) for a in assigned]
+            ).encode()).hexdigest()
+            validated = ghash == self.cache.last_global_hash
+            self.cache.last_global_hash = ghash
+            self.cache.state_dict_metadata = sdm
+            self.cache.planner_data = planner_data
+            drifts = {r: list(g[4]) for r, g in enumerate(gathered) if g[4]}
+            return [("ok", [s.key for s in assigned[r]], skip, validated, drifts)
+                    for r in range(len(gathered))]
+        except Exception as e:  # noqa: BLE001 - every rank gets the coordinator's error
+            self.cache = _Cache()
+            return [("error", f"global planning failed: {_describe(e)}")] * len(gathered)
+
+    def _finish_collective(self, job: SaveJob, gathered: list[Any], timings: dict[str, float]) -> tuple:
+        """Coordinator: check every rank wrote, build ``Metadata``, publish it last."""
+        failures = {r: err for r, (res, err) in enumerate(gathered) if err is not None}
+        if failures:
+            return failures, None, False
+        sdm = self.cache.state_dict_metadata
+        results = [tuple(r) for res, _ in gathered for r in res]
+        try:
+            problems = check_results_cover(sdm, results)
+            if problems:
+                raise PlanValidationError("write results do not cover the plan: " + "; ".join(problems[:10]))
+            md = build_metadata(sdm, [(_key(k), rel, off, ln) for k, rel, off, ln in results],
+                                self.cache.planner_data)
+            data = MetadataTemplate(md).render(os.fspath(job.directory))
+            prepared_md = None
+            if job.create_prepared or job.mode is Mode.REUSE:
+                # The prepared metadata is exactly the bytes about to be published, read back.
+                prepared_md = safe_loads(data, what="published .metadata")
+                if job.prepared_path:
+                    try:
+                        save_prepared_metadata(
+                            PreparedMetadata.from_metadata(prepared_md, self.world_size, self.workers,
+                                                           source=job.prepared_path),
+                            job.prepared_path)
+                    except Exception as e:  # noqa: BLE001 - the checkpoint itself is fine
+                        self._warnings.append(f"could not persist the prepared metadata to "
+                                              f"{job.prepared_path}: {_describe(e)}; it is kept in memory")
+            self._publish(job, data, timings)
+            return {}, prepared_md, True
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            return {self.rank: f"publishing failed: {_describe(e)}"}, None, False
+
+    # -- the cached path --------------------------------------------------------------------
+    def _cached(self, job: SaveJob, timings: dict[str, float]) -> JobOutcome:
+        ch = self.channel
+        staged = {it.spec.key: it for it in job.staged.items}
+        results: list[WriteResult] | None = None
+        err = None
+        changed = bool(job.local_drift) or not self.cache.files and self.cache.validated is False
+        if not changed:
+            try:
+                files = [(name, [staged[s.key] for s in specs]) for name, specs in self.cache.files]
+                pad = {k: bytes_slot(len(it.payload)) for k, it in staged.items() if it.payload is not None}
+                results = self._write(job, files, pad, timings)
+            except KeyError as e:
+                changed, err = True, None
+                del e
+            except Exception as e:  # noqa: BLE001
+                err = _describe(e)
+        gathered = ch.gather_object((job.structure_hash, results, err, changed))
+        message = None
+        if ch.is_coordinator:
+            assert gathered is not None  # noqa: S101
+            if any(g[3] for g in gathered):
+                message = ("replan", {})
+            else:
+                fin = self._finish_collective(job, [(g[1], g[2]) for g in gathered], timings)
+                message = ("done", fin)
+        kind, payload = ch.broadcast_object(message)
+        if kind == "replan":
+            return self._collective(job, timings)
+        failures, _, published = payload
+        ok = not failures
+        if not ok:
+            self.cache = _Cache()
+        return JobOutcome(job.seq, ok, "cached", bytes_written=_bytes(results) if ok else 0,
+                          failures=failures, error_kind=None if ok else "failed",
+                          written_keys=frozenset(k for k, *_ in results or ()) if ok else None,
+                          cache_validated=ok, published=published if ch.is_coordinator else None)
+
+    # -- the reuse path ---------------------------------------------------------------------
+    def _prepared_for(self, job: SaveJob) -> PreparedMetadata:
+        if job.prepared is not None:
+            self._prepared = (job.prepared_token, job.prepared)
+        if self._prepared is None or self._prepared[0] != job.prepared_token:
+            raise RuntimeError("internal: the worker has no prepared metadata for this token")
+        return self._prepared[1]
+
+    def _reuse(self, job: SaveJob, timings: dict[str, float]) -> JobOutcome:
+        ch = self.channel
+        prepared = self._prepared_for(job)
+        status, drifts, results, err = STATUS_OK, list(job.local_drift), None, None
+        if drifts:
+            status = STATUS_DRIFT
+        else:
+            staged = {it.spec.key: it for it in job.staged.items}
+            try:
+                files = [(rel, [staged[p.key] for p in items]) for rel, items in job.layout]
+                pad = {p.key: p.length for _, items in job.layout for p in items
+                       if staged[p.key].payload is not None}
+                results = self._write(job, files, pad, timings)
+                drifts = check_layout([p for _, items in job.layout for p in items], results)
+                status = STATUS_DRIFT if drifts else STATUS_OK
+            except Exception as e:  # noqa: BLE001 - becomes status 0 on every rank
+                status, err = STATUS_FAILED, _describe(e)
+        agreed = ch.all_reduce_min(status)
+        if agreed == STATUS_OK:
+            published = None
+            failures: dict[int, str] = {}
+            if ch.is_coordinator:
+                try:
+                    self._publish(job, prepared.template.render(os.fspath(job.directory)), timings)
+                    published = True
+                except Exception as e:  # noqa: BLE001 - only the coordinator can know
+                    failures, published = {self.rank: f"publishing failed: {_describe(e)}"}, False
+            return JobOutcome(job.seq, not failures, "reuse", bytes_written=_bytes(results),
+                              failures=failures, error_kind="failed" if failures else None,
+                              written_keys=frozenset(k for k, *_ in results or ()),
+                              published=published)
+        if agreed == STATUS_FAILED:
+            reports = ch.all_gather_object(err)
+            failures = {r: e for r, e in enumerate(reports) if e is not None}
+            return JobOutcome(job.seq, False, "reuse", failures=failures, error_kind="failed")
+        if job.on_layout_drift == "raise":
+            reports = ch.all_gather_object(drifts)
+            return JobOutcome(job.seq, False, "reuse", error_kind="drift",
+                              drifts={r: d for r, d in enumerate(reports) if d})
+        prewritten = results if status != STATUS_FAILED and not job.local_drift else None
+        return self._collective(job, timings, prewritten=prewritten, drifts=tuple(drifts), fallback=True)
+
+
+def _key(k: Any) -> ItemKey:
+    fqn, offsets = k
+    return (fqn, tuple(offsets) if offsets is not None else None)
+
+
+def _bytes(results: list[WriteResult] | None) -> int:
+    return sum(r[3] for r in results or ())
+
+
+def _replace(out: JobOutcome, **kw: Any) -> JobOutcome:
+    import dataclasses
+
+    return dataclasses.replace(out, **kw)
+
+
+__all__ = ["Engine", "JobOutcome", "Mode", "SaveJob", "ItemKind"]

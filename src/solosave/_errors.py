@@ -1,0 +1,87 @@
+"""The exception tree of solosave.
+
+Every exception solosave raises on purpose derives from :class:`SolosaveError`, which derives
+from :class:`Exception` (unlike DCP's ``CheckpointException``, ``except Exception`` catches it)::
+
+    SolosaveError
+    ├── CheckpointError            a save failed; raised by ``SaveHandle.wait()`` on every rank
+    │   ├── LayoutDriftError       reuse save whose layout no longer matches the prepared metadata
+    │   └── WorkerDiedError        the background worker process of a rank exited
+    ├── CheckpointExistsError      destination already holds a complete checkpoint (also FileExistsError)
+    ├── PreparedMetadataError      a prepared-metadata file is unreadable, unsafe or mismatched (also ValueError)
+    │   ├── UnsafeMetadataError    the pickle would import something outside the allowlist
+    │   └── FingerprintMismatchError  world size / workers / structure differ from this run
+    └── SaveTimeoutError           a bounded wait ran out (also TimeoutError)
+
+Bad arguments raise plain :class:`ValueError` / :class:`TypeError` with a message that names the
+problem and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+class SolosaveError(Exception):
+    """Base class of every error solosave raises on purpose."""
+
+
+class CheckpointError(SolosaveError):
+    """A save failed; no ``.metadata`` was published for it.
+
+    ``failures`` maps each failing rank to a description of its error. Every rank of the
+    save raises this from ``SaveHandle.wait()``, with the same ``failures``.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
+        self.failures: dict[int, str] = dict(failures or {})
+        self.message = message
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        if not self.failures:
+            return self.message
+        lines = [self.message]
+        for rank in sorted(self.failures):
+            lines.append(f"  rank {rank}: {self.failures[rank]}")
+        return "\n".join(lines)
+
+
+class LayoutDriftError(CheckpointError):
+    """A reuse save found that the written layout differs from the prepared metadata.
+
+    Raised on every rank when ``on_layout_drift="raise"``. ``drifts`` maps each rank to the
+    items that drifted there (human-readable, one entry per item).
+    """
+
+    def __init__(self, message: str, drifts: Mapping[int, Sequence[str]]) -> None:
+        self.drifts: dict[int, list[str]] = {r: list(v) for r, v in drifts.items()}
+        super().__init__(
+            message,
+            {r: "; ".join(v[:10]) + (f" (+{len(v) - 10} more)" if len(v) > 10 else "")
+             for r, v in self.drifts.items() if v},
+        )
+
+
+class WorkerDiedError(CheckpointError):
+    """The background worker process of this rank exited unexpectedly."""
+
+
+class CheckpointExistsError(SolosaveError, FileExistsError):
+    """The destination already holds a complete checkpoint and ``overwrite`` was not given."""
+
+
+class PreparedMetadataError(SolosaveError, ValueError):
+    """A prepared-metadata (or ``.metadata``) file cannot be used."""
+
+
+class UnsafeMetadataError(PreparedMetadataError):
+    """The file's pickle names a global outside solosave's allowlist; nothing was executed."""
+
+
+class FingerprintMismatchError(PreparedMetadataError):
+    """The prepared metadata was made for another world size, ``workers`` or structure."""
+
+
+class SaveTimeoutError(SolosaveError, TimeoutError):
+    """A bounded wait ran out of time."""

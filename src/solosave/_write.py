@@ -1,0 +1,111 @@
+"""Step 3 of a save: writing one rank's ``__{rank}_{n}.distcp`` files (background worker).
+
+:class:`FileWriter` is the storage extension point: it writes the records of one file and
+reports ``(key, relative_path, offset, length)`` per record. Subclass it to change how bytes
+reach storage (tests subclass it to inject I/O errors); pass an instance as
+``AsyncCheckpointer(writer=...)``. It must be picklable (it travels to the worker process).
+
+Record format (what stock DCP reads): a tensor is a ``torch.save`` record of exactly the
+tensor's bytes; a BYTES item is the raw ``torch.save`` payload of the object, followed by zero
+padding up to its slot length (``torch.load`` ignores bytes after the archive). Padding gives
+small objects room to change without changing the layout (see :func:`bytes_slot`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import torch
+
+from ._plan import ItemKey
+
+#: A write result: item key, file name relative to the checkpoint, offset and length.
+WriteResult = tuple[ItemKey, str, int, int]
+
+
+def bytes_slot(n: int) -> int:
+    """Slot length of a BYTES record whose payload is ``n`` bytes, on the collective path.
+
+    ``n`` plus 1/8 (at least 256 bytes) of headroom, rounded up to 512: an int, a float, a short
+    string or a fixed-size RNG state keep their slot whatever their value; a payload that outgrows
+    its slot on a reuse save is a layout drift (the fallback path handles it).
+    """
+    return (n + max(256, n // 8) + 511) // 512 * 512
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One record to write: a CPU tensor or a serialized payload, and its padded length."""
+
+    key: ItemKey
+    tensor: torch.Tensor | None = None
+    payload: bytes | None = None
+    #: Pad the record with zeros up to this length (BYTES records only); ``None``: no padding.
+    pad_to: int | None = None
+
+
+class FileWriter:
+    """Writes the files of one rank, one thread per file.
+
+    Called only in the background (worker process or thread), by :class:`~solosave._engine.Engine`,
+    in this order per save: ``write_files`` -> for each file, in a pool thread, ``write_file``
+    -> ``open`` / ``write_record`` per record / ``close``.
+    """
+
+    def __init__(self, fsync: bool = True) -> None:
+        self.fsync = fsync
+
+    def open(self, path: str) -> BinaryIO:
+        return open(path, "wb")  # noqa: SIM115 - closed in write_file
+
+    def write_record(self, stream: BinaryIO, record: Record) -> None:
+        if record.payload is not None:
+            stream.write(record.payload)
+        else:
+            assert record.tensor is not None  # noqa: S101 - Record invariant
+            torch.save(record.tensor, stream)
+
+    def close(self, stream: BinaryIO) -> None:
+        stream.flush()
+        if self.fsync:
+            os.fsync(stream.fileno())
+        stream.close()
+
+    def write_file(self, directory: str, relative_path: str, records: Sequence[Record]) -> list[WriteResult]:
+        stream = self.open(os.path.join(directory, relative_path))
+        results: list[WriteResult] = []
+        try:
+            for rec in records:
+                offset = stream.tell()
+                self.write_record(stream, rec)
+                length = stream.tell() - offset
+                if rec.pad_to is not None and length < rec.pad_to:
+                    stream.write(b"\0" * (rec.pad_to - length))
+                    length = rec.pad_to
+                results.append((rec.key, relative_path, offset, length))
+        except BaseException:
+            stream.close()
+            raise
+        self.close(stream)
+        return results
+
+    def write_files(self, directory: str, files: Sequence[tuple[str, Sequence[Record]]]) -> list[WriteResult]:
+        """Write every file (one thread each); raise the first error after all threads end."""
+        if len(files) <= 1:
+            return [r for name, recs in files for r in self.write_file(directory, name, recs)]
+        with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="solosave-write") as pool:
+            futures = [pool.submit(self.write_file, directory, name, recs) for name, recs in files]
+            out: list[WriteResult] = []
+            errors = []
+            for f in futures:
+                try:
+                    out.extend(f.result())
+                except Exception as e:  # noqa: BLE001 - collected and re-raised below
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+            return out
