@@ -1,0 +1,27 @@
+import solosave
+
+
+def test_all_is_exactly_the_public_api():
+    public = {n for n in dir(solosave) if not n.startswith("_")} - {"cli", "demo"}
+    assert set(solosave.__all__) - {"__version__"} == public
+
+
+def test_exceptions_form_the_documented_tree():
+    assert issubclass(solosave.SolosaveError, Exception)
+    assert issubclass(solosave.LayoutDriftError, solosave.CheckpointError)
+    assert issubclass(solosave.WorkerDiedError, solosave.CheckpointError)
+    assert issubclass(solosave.PreparedMetadataError, ValueError)
+    assert issubclass(solosave.UnsafeMetadataError, solosave.PreparedMetadataError)
+    assert issubclass(solosave.FingerprintMismatchError, solosave.PreparedMetadataError)
+    assert issubclass(solosave.SaveTimeoutError, TimeoutError)
+    assert issubclass(solosave.CheckpointExistsError, FileExistsError)
+
+
+def test_error_messages_render():
+    e = solosave.CheckpointError("save failed", {1: "OSError: disk", 0: "x"})
+    s = str(e)
+    assert "rank 0: x" in s and "rank 1: OSError: disk" in s
+    d = solosave.LayoutDriftError("drift", {2: [f"item{i}: length 1 != prepared 2" for i in range(12)]})
+    s = str(d)
+    assert "rank 2" in s and "item0" in s and "(+2 more)" in s
+    assert d.drifts[2][11].startswith("item11")
