@@ -48,6 +48,8 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, out
     import gc
 
     gc.collect()
+    out.close()
+    out.join_thread()  # flush the result before os._exit kills the queue's feeder thread
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # end deliberately: no late gloo teardown at interpreter exit
@@ -74,7 +76,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
             try:
                 rank, kind, val = out.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None
                         and r not in results and r not in errors]
                 if dead:
                     time.sleep(0.5)  # let a last message arrive
