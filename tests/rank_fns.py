@@ -287,7 +287,7 @@ def create_then_reuse(rank, ws, root, workers):
     full = sd["dt"]["sharded"].full_tensor()
     return ([r.mode for r in results], [r.collectives("all") for r in results],
             str(md2.storage_meta.checkpoint_id), md1.storage_meta.save_id != md2.storage_meta.save_id,
-            md1.storage_data == md2.storage_data, full)
+            md1.storage_data == md2.storage_data, full.tolist())  # (tensors do not survive os._exit)
 
 
 def load_dt_at(rank, ws, root, ckpt):
@@ -302,7 +302,7 @@ def load_dt_at(rank, ws, root, ckpt):
         size = pickle.load(f).state_dict_metadata["dt.sharded"].size
     sd = {"dt": {"sharded": distribute_tensor(torch.zeros(size), mesh, [Shard(0)])}}
     dcp.load(sd, checkpoint_id=f"{root}/{ckpt}")
-    return sd["dt"]["sharded"].full_tensor()
+    return sd["dt"]["sharded"].full_tensor().tolist()
 
 
 def second_job(rank, ws, root):
@@ -339,8 +339,9 @@ def drift(rank, ws, root, policy):
         out["metadata"] = os.path.exists(f"{root}/c2/.metadata")
         dist.barrier()
         out["refreshed"] = open(f"{root}/prep.md", "rb").read() != before
-        r = ck.save(sd, f"{root}/c3").wait(120)
-        out["after"] = (r.mode, r.collectives("all"))
+        if policy == "fallback":
+            r = ck.save(sd, f"{root}/c3").wait(120)
+            out["after"] = (r.mode, r.collectives("all"))
     if out["metadata"]:
         tgt = zeros_like_sd(model_sd(rank))
         solosave.load(tgt, f"{root}/c2")
@@ -354,3 +355,9 @@ def mismatched_world(rank, ws, root):
     except solosave.FingerprintMismatchError as e:
         return str(e)
     return None
+
+
+def create_only(rank, ws, root):
+    _fresh(root)
+    with solosave.AsyncCheckpointer(prepared_metadata=f"{root}/prep.md", create_prepared_metadata=True) as ck:
+        return ck.save(model_sd(rank), f"{root}/c0").wait(120).mode

@@ -138,3 +138,21 @@ def test_metadata_object_with_create_mode_rejected(ckpt_dir):
 def test_checkpointer_needs_initialised_process_group():
     with pytest.raises(ValueError, match="not initialised"):
         solosave.AsyncCheckpointer()
+
+
+@pytest.mark.parametrize("obj", [5, "short", list(range(3000)), {"a": [1.5] * 40}])
+def test_bytes_padding_is_readable_or_refused(obj):
+    import io
+
+    from solosave._write import bytes_slot, padded_payload
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    raw = buf.getvalue()
+    for length in (len(raw), bytes_slot(len(raw)), len(raw) * 2, len(raw) * 5, len(raw) + 65535):
+        data = padded_payload(raw, length)
+        if data is not None:
+            assert len(data) == length
+            assert torch.load(io.BytesIO(data), weights_only=False) == obj
+    assert padded_payload(raw, bytes_slot(len(raw))) is not None  # the slot rule always pads
+    assert padded_payload(raw, len(raw) - 1) is None

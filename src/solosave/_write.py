@@ -7,12 +7,14 @@ reach storage (tests subclass it to inject I/O errors); pass an instance as
 
 Record format (what stock DCP reads): a tensor is a ``torch.save`` record of exactly the
 tensor's bytes; a BYTES item is the raw ``torch.save`` payload of the object, followed by zero
-padding up to its slot length (``torch.load`` ignores bytes after the archive). Padding gives
-small objects room to change without changing the layout (see :func:`bytes_slot`).
+padding up to its slot length when ``torch.load`` still reads it so (see
+:func:`padded_payload`). Padding gives small objects room to change without changing the
+layout (see :func:`bytes_slot`).
 """
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,27 @@ def bytes_slot(n: int) -> int:
     its slot on a reuse save is a layout drift (the fallback path handles it).
     """
     return (n + max(256, n // 8) + 511) // 512 * 512
+
+
+def padded_payload(payload: bytes, length: int) -> bytes | None:
+    """``payload`` followed by zeros up to ``length``, if ``torch.load`` still reads it back.
+
+    The zip reader behind ``torch.load`` finds the archive by searching backwards from the end,
+    and some padding sizes defeat that search; so padding is limited to the payload's own size
+    and every padded record is checked by loading it once. ``None``: it cannot be padded (the
+    record keeps its natural length, which a reuse save reports as a layout drift).
+    """
+    extra = length - len(payload)
+    if extra == 0:
+        return payload
+    if extra < 0 or extra > len(payload):
+        return None
+    data = payload + b"\0" * extra
+    try:
+        torch.load(io.BytesIO(data), weights_only=False)
+    except Exception:  # noqa: BLE001 - any failure means: do not pad
+        return None
+    return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +104,10 @@ class FileWriter:
         try:
             for rec in records:
                 offset = stream.tell()
+                if rec.payload is not None and rec.pad_to is not None:
+                    rec = Record(rec.key, payload=padded_payload(rec.payload, rec.pad_to) or rec.payload)
                 self.write_record(stream, rec)
-                length = stream.tell() - offset
-                if rec.pad_to is not None and length < rec.pad_to:
-                    stream.write(b"\0" * (rec.pad_to - length))
-                    length = rec.pad_to
-                results.append((rec.key, relative_path, offset, length))
+                results.append((rec.key, relative_path, offset, stream.tell() - offset))
         except BaseException:
             stream.close()
             raise
