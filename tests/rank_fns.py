@@ -361,3 +361,16 @@ def create_only(rank, ws, root):
     _fresh(root)
     with solosave.AsyncCheckpointer(prepared_metadata=f"{root}/prep.md", create_prepared_metadata=True) as ck:
         return ck.save(model_sd(rank), f"{root}/c0").wait(120).mode
+
+
+def reuse_failure(rank, ws, root):
+    _fresh(root)
+    sd = model_sd(rank)
+    with solosave.AsyncCheckpointer(prepared_metadata=f"{root}/prep.md", create_prepared_metadata=True,
+                                    writer=FaultyWriter(fail_rank=1, fail_from=1)) as ck:
+        ck.save(sd, f"{root}/c0").wait(120)
+        try:
+            ck.save(sd, f"{root}/c1").wait(120)
+            return None
+        except solosave.CheckpointError as e:
+            return sorted(e.failures), str(e), e.__class__.__name__

@@ -90,3 +90,11 @@ def test_cache_mode_stops_planning_gather(tmp_path):
         for s in rank_saves[2:]:
             assert set(s["reported"]) == {"gather_object", "broadcast_object_list"}
             assert s["reported"]["gather_object"]["count"] == 1
+
+
+def test_reuse_write_failure_every_rank_learns_why(tmp_path):
+    out = run_ranks(rank_fns.reuse_failure, 2, str(tmp_path))
+    for ranks, msg, cls in out:
+        assert ranks == [1] and "injected I/O error" in msg and cls == "CheckpointError"
+    assert not (tmp_path / "c1" / ".metadata").exists()
+    assert (tmp_path / "c0" / ".metadata").exists()
