@@ -6,7 +6,6 @@ import pickle
 from collections import Counter
 
 import pytest
-import torch
 
 import rank_fns
 from dist_harness import run_ranks

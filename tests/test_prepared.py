@@ -49,7 +49,6 @@ def test_structure_tampering_detected(ckpt_dir, tmp_path):
     k = next(iter(md2.storage_data))
     md2.storage_data[k].length += 1
     raw = path.read_bytes()
-    head, _, _ = raw.partition(b"\n{")
     hdr = raw[: raw.index(b"}\n") + 2]
     path.write_bytes(hdr + pickle.dumps(md2, protocol=2))
     with pytest.raises(solosave.FingerprintMismatchError, match="structure"):

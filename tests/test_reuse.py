@@ -1,11 +1,8 @@
 """Multi-process tests of prepared-metadata create/reuse, the layout guard and the cache."""
 
-import glob
-import os
 from collections import Counter
 
 import pytest
-import torch
 
 import rank_fns
 from dist_harness import run_ranks

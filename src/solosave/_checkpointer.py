@@ -20,7 +20,6 @@ import logging
 import os
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -315,7 +314,7 @@ class AsyncCheckpointer:
             pm = self._prepared
             layout = pm.rank_files(self.rank)
             drift: list[str] = []
-            sizes = pm.chunk_sizes()
+            sizes = pm.chunk_sizes
             for _, items in layout:
                 for p in items:
                     s = plan.by_key.get(p.key)
@@ -417,6 +416,3 @@ class AsyncCheckpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def collective_summary(calls: tuple[CollectiveCall, ...]) -> dict[str, int]:
-    return dict(Counter(c.kind for c in calls))

@@ -21,7 +21,9 @@ rank received, and the values the collectives return). Per mode:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hashlib
 import os
 import time
 import traceback
@@ -43,7 +45,7 @@ from ._layout import (
     check_results_cover,
     file_name,
 )
-from ._plan import ItemKey, ItemKind, ItemSpec, spec_from_compact
+from ._plan import ItemKey, ItemSpec, spec_from_compact
 from ._prepared import PreparedMetadata, save_prepared_metadata
 from ._publish import MetadataTemplate, publish_metadata, unpublish
 from ._safe_pickle import safe_loads
@@ -230,12 +232,12 @@ class Engine:
         _, keys, skip_write, validated, all_drifts = mine
         results: list[WriteResult] | None = None
         err = None
+        files: list[tuple[str, list[StagedItem]]] = []
         if skip_write:
             results = prewritten
         else:
             try:
-                specs = [staged[k].spec for k in keys]
-                files, pad = self._bucketed(staged, specs)
+                files, pad = self._bucketed(staged, [staged[k].spec for k in keys])
                 results = self._write(job, files, pad, timings)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 err = _describe(e)
@@ -248,9 +250,7 @@ class Engine:
         ok = not failures
         written = frozenset(k for k, *_ in (results or ())) if ok else None
         if ok:
-            self.cache.files = ([(name, [staged[i.spec.key].spec for i in items])
-                                 for name, items in self._bucketed(staged, [staged[k].spec for k in keys])[0]]
-                                if not skip_write else [])
+            self.cache.files = [(name, [i.spec for i in items]) for name, items in files]
             self.cache.validated = validated
         else:
             self.cache = _Cache()
@@ -295,8 +295,6 @@ class Engine:
             planner_data: dict = {}
             for g in gathered:
                 planner_data.update(g[2])
-            import hashlib
-
             ghash = hashlib.sha256(repr(
                 [sorted((s.key, s.sizes, s.global_size, s.dtype, int(s.kind)) for s in a) for a in assigned]
             ).encode()).hexdigest()
@@ -349,15 +347,13 @@ class Engine:
         staged = {it.spec.key: it for it in job.staged.items}
         results: list[WriteResult] | None = None
         err = None
-        changed = bool(job.local_drift) or not self.cache.files and self.cache.validated is False
+        # Changed: the trainer saw its structure change, or did not stage a cached item.
+        changed = bool(job.local_drift) or any(s.key not in staged for _, specs in self.cache.files for s in specs)
         if not changed:
             try:
                 files = [(name, [staged[s.key] for s in specs]) for name, specs in self.cache.files]
                 pad = {k: bytes_slot(len(it.payload)) for k, it in staged.items() if it.payload is not None}
                 results = self._write(job, files, pad, timings)
-            except KeyError as e:
-                changed, err = True, None
-                del e
             except Exception as e:  # noqa: BLE001
                 err = _describe(e)
         gathered = ch.gather_object((job.structure_hash, results, err, changed))
@@ -442,9 +438,7 @@ def _bytes(results: list[WriteResult] | None) -> int:
 
 
 def _replace(out: JobOutcome, **kw: Any) -> JobOutcome:
-    import dataclasses
-
     return dataclasses.replace(out, **kw)
 
 
-__all__ = ["Engine", "JobOutcome", "Mode", "SaveJob", "ItemKind"]
+__all__ = ["Engine", "JobOutcome", "Mode", "SaveJob"]

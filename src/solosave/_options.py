@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
-
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ._prepared import PreparedMetadata
@@ -51,14 +49,9 @@ class CheckpointerOptions:
                 raise ValueError("create_prepared_metadata=True needs a file path, not a Metadata "
                                  "object: pass the path to create, or drop create_prepared_metadata "
                                  "to reuse the object as it is")
-        if pm is not None and self.assume_constant_structure:
-            pass  # allowed: the prepared metadata takes precedence; the cache is unused
 
     @property
     def prepared_path(self) -> str | None:
         pm = self.prepared_metadata
         return os.fspath(pm) if isinstance(pm, (str, os.PathLike)) else None
 
-
-def describe(opts: CheckpointerOptions) -> dict[str, Any]:
-    return {f: getattr(opts, f) for f in CheckpointerOptions.__dataclass_fields__}

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ._errors import FingerprintMismatchError, PreparedMetadataError
-from ._layout import PlacedItem, index_key, parse_file_name
+from ._layout import PlacedItem, index_key, parse_file_name, storage_index
 from ._plan import ItemKey, ItemKind, ItemSpec, dtype_name
 from ._publish import METADATA_FILE, MetadataTemplate, atomic_write
 from ._safe_pickle import safe_loads
@@ -135,8 +135,6 @@ class PreparedMetadata:
         return self._by_rank.get(rank, ())
 
     def placed(self, key: ItemKey) -> bool:
-        from ._layout import storage_index
-
         return storage_index(key) in self.metadata.storage_data
 
     def spec_matches(self, spec: ItemSpec) -> str | None:
@@ -155,11 +153,8 @@ class PreparedMetadata:
             return f"{spec.fqn}: chunk at {list(spec.offsets or ())} is not in the prepared metadata (resharded?)"
         return None
 
-    def chunk_sizes(self) -> dict[ItemKey, tuple[int, ...]]:
-        return self._chunk_sizes
-
     @cached_property
-    def _chunk_sizes(self) -> dict[ItemKey, tuple[int, ...]]:
+    def chunk_sizes(self) -> dict[ItemKey, tuple[int, ...]]:
         out: dict[ItemKey, tuple[int, ...]] = {}
         for fqn, m in self.metadata.state_dict_metadata.items():
             if isinstance(m, TensorStorageMetadata):

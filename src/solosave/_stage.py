@@ -60,10 +60,6 @@ class StagedSave:
     #: CUDA event to synchronize before the segment may be read (``None`` on CPU).
     cuda_event: Any = None
 
-    @property
-    def staged_bytes(self) -> int:
-        return sum(i.spec.nbytes if i.payload is None else len(i.payload) for i in self.items)
-
 
 class _Segment:
     def __init__(self, size: int, pinned: bool) -> None:
@@ -123,7 +119,6 @@ class Stager:
         self._offsets: dict = {}
         self._segment: _Segment | None = None
         self._side_stream: Any = None
-        self.allocations = 0
 
     def _ensure(self, tensors: list[ItemSpec], pinned: bool) -> _Segment | None:
         layout = tuple((s.key, s.nbytes, s.dtype, s.sizes) for s in tensors) + (pinned,)
@@ -141,7 +136,6 @@ class Stager:
         self._segment = _Segment(pos, pinned)
         self._offsets = offsets
         self._layout = layout
-        self.allocations += 1
         return self._segment
 
     def stage(self, specs: list[ItemSpec], values: dict[str, Any]) -> StagedSave:
