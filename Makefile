@@ -1,11 +1,13 @@
-# Quick start: `make demo` (the main job) and `make test` (the test suite). Both create the
+# Quick start: `make train` (the main job) and `make test` (the test suite). Both create the
 # virtual environment .venv on first use (torch pinned to the local CPU wheel, see
 # requirements-dev.txt).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow bench clean
+TRAIN_DIR ?= runs/train
+
+.PHONY: train test test-slow bench clean
 
 $(BIN)/solosave: pyproject.toml requirements-dev.txt
 	$(PY) -m venv $(VENV)
@@ -14,8 +16,13 @@ $(BIN)/solosave: pyproject.toml requirements-dev.txt
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
-demo: $(BIN)/solosave
-	$(BIN)/solosave demo --nproc 2 --saves 6
+# The main job: 2 ranks train a small GPT for 40 steps, saving every 5 steps asynchronously;
+# the first save creates the prepared metadata, every later one reuses it (one 8-byte all_reduce).
+train: $(BIN)/solosave
+	rm -rf $(TRAIN_DIR)
+	$(BIN)/solosave train --nproc 2 --steps 40 --save $(TRAIN_DIR)/ckpt --save-interval 5 \
+		--async-save --use-persistent-ckpt-worker --ckpt-metadata $(TRAIN_DIR)/prepared.metadata \
+		--ckpt-metadata-create --keep-last 3 --json-log $(TRAIN_DIR)/saves.jsonl
 
 test: $(BIN)/solosave
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -24,7 +31,7 @@ test-slow: $(BIN)/solosave
 	$(BIN)/python -m pytest -q -m slow
 
 bench: $(BIN)/solosave
-	$(BIN)/python benchmarks/bench_save.py
+	$(BIN)/python -m benchmarks --plots docs/img
 
 clean:
 	rm -rf $(VENV) runs bench-out

@@ -2,7 +2,7 @@ import solosave
 
 
 def test_all_is_exactly_the_public_api():
-    public = {n for n in dir(solosave) if not n.startswith("_")} - {"cli", "demo"}
+    public = {n for n in dir(solosave) if not n.startswith("_")} - {"cli", "integrations", "train"}
     assert set(solosave.__all__) - {"__version__"} == public
 
 
@@ -15,6 +15,8 @@ def test_exceptions_form_the_documented_tree():
     assert issubclass(solosave.FingerprintMismatchError, solosave.PreparedMetadataError)
     assert issubclass(solosave.SaveTimeoutError, TimeoutError)
     assert issubclass(solosave.CheckpointExistsError, FileExistsError)
+    assert issubclass(solosave.CorruptCheckpointError, solosave.SolosaveError)
+    assert not issubclass(solosave.CorruptCheckpointError, solosave.CheckpointError)
 
 
 def test_error_messages_render():

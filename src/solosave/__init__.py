@@ -4,9 +4,9 @@ Public API (everything else is private and may change)::
 
     AsyncCheckpointer, SaveHandle, SaveResult, PhaseTimings, CollectiveCall
     load, PreparedMetadata, Fingerprint, load_prepared_metadata, save_prepared_metadata
-    FileWriter
+    FileWriter, verify_checkpoint, VerifyReport
     SolosaveError, CheckpointError, LayoutDriftError, WorkerDiedError, CheckpointExistsError,
-    PreparedMetadataError, UnsafeMetadataError, FingerprintMismatchError, SaveTimeoutError
+    CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError, FingerprintMismatchError, SaveTimeoutError
 """
 
 from ._checkpointer import AsyncCheckpointer, PhaseTimings, SaveHandle, SaveResult
@@ -14,6 +14,7 @@ from ._coordinate import CollectiveCall
 from ._errors import (
     CheckpointError,
     CheckpointExistsError,
+    CorruptCheckpointError,
     FingerprintMismatchError,
     LayoutDriftError,
     PreparedMetadataError,
@@ -24,6 +25,7 @@ from ._errors import (
 )
 from ._load import load
 from ._prepared import Fingerprint, PreparedMetadata, load_prepared_metadata, save_prepared_metadata
+from ._verify import VerifyReport, verify_checkpoint
 from ._write import FileWriter
 
 __version__ = "0.1.0"
@@ -33,6 +35,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CollectiveCall",
+    "CorruptCheckpointError",
     "FileWriter",
     "Fingerprint",
     "FingerprintMismatchError",
@@ -45,9 +48,11 @@ __all__ = [
     "SaveTimeoutError",
     "SolosaveError",
     "UnsafeMetadataError",
+    "VerifyReport",
     "WorkerDiedError",
     "load",
     "load_prepared_metadata",
     "save_prepared_metadata",
+    "verify_checkpoint",
     "__version__",
 ]

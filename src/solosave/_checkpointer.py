@@ -172,12 +172,17 @@ class AsyncCheckpointer:
             layout no longer matches the prepared metadata.
         timeout: seconds; bounds every wait, the worker's start and each collective.
         writer: a :class:`~solosave.FileWriter` (subclass) that writes the files.
+        checksums: record a CRC32 of every record in a sidecar next to each data file
+            (``__{rank}_{n}.distcp.crc32``), checked by ``solosave verify``; off by default
+            (it costs one CRC pass over the bytes, in the background). Same as
+            ``writer=FileWriter(checksums=True)``.
     """
 
     def __init__(self, process_group: Any = None, workers: int = 1, persistent_worker: bool = True,
                  prepared_metadata: Any = None, create_prepared_metadata: bool = False,
                  assume_constant_structure: bool = False, on_layout_drift: str = "fallback",
-                 timeout: float = 600.0, writer: FileWriter | None = None) -> None:
+                 timeout: float = 600.0, writer: FileWriter | None = None,
+                 checksums: bool = False) -> None:
         self.options = CheckpointerOptions(
             workers=workers, persistent_worker=persistent_worker,
             prepared_metadata=prepared_metadata, create_prepared_metadata=create_prepared_metadata,
@@ -185,6 +190,12 @@ class AsyncCheckpointer:
             timeout=timeout)
         if writer is not None and not isinstance(writer, FileWriter):
             raise TypeError(f"writer must be a solosave.FileWriter, got {type(writer).__name__}")
+        if checksums:
+            if writer is None:
+                writer = FileWriter(checksums=True)
+            elif not writer.checksums:
+                raise ValueError("checksums=True with a writer whose checksums are off: construct "
+                                 "the writer with checksums=True (FileWriter(checksums=True)) instead")
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("torch.distributed is not initialised: call "
                              "torch.distributed.init_process_group(...) before creating an "

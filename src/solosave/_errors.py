@@ -8,6 +8,7 @@ from :class:`Exception` (unlike DCP's ``CheckpointException``, ``except Exceptio
     │   ├── LayoutDriftError       reuse save whose layout no longer matches the prepared metadata
     │   └── WorkerDiedError        the background worker process of a rank exited
     ├── CheckpointExistsError      destination already holds a complete checkpoint (also FileExistsError)
+    ├── CorruptCheckpointError     a published checkpoint's data files do not hold what .metadata says
     ├── PreparedMetadataError      a prepared-metadata file is unreadable, unsafe or mismatched (also ValueError)
     │   ├── UnsafeMetadataError    the pickle would import something outside the allowlist
     │   └── FingerprintMismatchError  world size / workers / structure differ from this run
@@ -69,6 +70,19 @@ class WorkerDiedError(CheckpointError):
 
 class CheckpointExistsError(SolosaveError, FileExistsError):
     """The destination already holds a complete checkpoint and ``overwrite`` was not given."""
+
+
+class CorruptCheckpointError(SolosaveError):
+    """A published checkpoint's data files are missing, shorter than ``.metadata`` says, or fail
+    their recorded checksums (raised by :func:`solosave.load` before any value is read, and
+    reported by ``solosave verify``). ``problems`` lists each finding."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = list(problems)
+
+    def __reduce__(self) -> tuple:  # DCP gathers exceptions between ranks: keep ``problems``
+        return (type(self), (str(self), self.problems))
 
 
 class PreparedMetadataError(SolosaveError, ValueError):

@@ -10,14 +10,29 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ._errors import PreparedMetadataError
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ._errors import CorruptCheckpointError, PreparedMetadataError
 from ._publish import METADATA_FILE
 from ._safe_pickle import safe_loads
+from ._verify import check_ranges
 
 
 class SafeFileSystemReader(FileSystemReader):
     """A ``FileSystemReader`` whose ``read_metadata`` refuses pickles outside the allowlist and
-    explains a missing or corrupt ``.metadata``."""
+    explains a missing or corrupt ``.metadata``, and whose ``read_data`` first checks that every
+    byte range this rank will read lies inside its data file (a truncated or missing ``.distcp``
+    raises :class:`~solosave.CorruptCheckpointError` instead of yielding garbage)."""
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+        needed = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
+        problems = check_ranges(self.path, needed, files)
+        if problems:
+            raise CorruptCheckpointError(
+                f"checkpoint {os.fspath(self.path)} is damaged: {'; '.join(problems)}. Load an "
+                "earlier checkpoint; `solosave verify` lists every problem.", problems)
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(os.fspath(self.path), METADATA_FILE)
@@ -47,5 +62,13 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist")
-    dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=planner,
-             process_group=process_group, no_dist=not (dist.is_available() and dist.is_initialized()))
+    try:
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=planner,
+                 process_group=process_group, no_dist=not (dist.is_available() and dist.is_initialized()))
+    except CheckpointException as e:
+        # DCP wraps each rank's exception; surface ours (the same on every rank) unwrapped.
+        for failure in e.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, (CorruptCheckpointError, PreparedMetadataError)):
+                raise inner from e
+        raise

@@ -15,7 +15,9 @@ layout (see :func:`bytes_slot`).
 from __future__ import annotations
 
 import io
+import json
 import os
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +29,34 @@ from ._plan import ItemKey
 
 #: A write result: item key, file name relative to the checkpoint, offset and length.
 WriteResult = tuple[ItemKey, str, int, int]
+
+#: Suffix of the checksum sidecar of a data file: ``__0_0.distcp`` -> ``__0_0.distcp.crc32``.
+CHECKSUM_SUFFIX = ".crc32"
+CHECKSUM_FORMAT = "solosave-crc32/1"
+
+
+def checksum_path(data_file: str) -> str:
+    """The sidecar that holds the per-record CRC32s of ``data_file``."""
+    return data_file + CHECKSUM_SUFFIX
+
+
+class _CrcStream:
+    """A write-only file wrapper that keeps a running CRC32 of everything written through it."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.crc = 0
+
+    def write(self, b: bytes | bytearray | memoryview) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        return self.raw.write(b)
+
+    def take(self) -> int:
+        crc, self.crc = self.crc, 0
+        return crc
+
+    def __getattr__(self, name: str) -> object:  # tell, flush, fileno, close, ...
+        return getattr(self.raw, name)
 
 
 def bytes_slot(n: int) -> int:
@@ -79,8 +109,14 @@ class FileWriter:
     -> ``open`` / ``write_record`` per record / ``close``.
     """
 
-    def __init__(self, fsync: bool = True) -> None:
+    fsync: bool = True
+    checksums: bool = False
+
+    def __init__(self, fsync: bool = True, checksums: bool = False) -> None:
         self.fsync = fsync
+        #: Record a CRC32 of every record in a sidecar ``<file>.crc32`` (JSON), written and
+        #: fsynced before the data file's results are reported, so before ``.metadata``.
+        self.checksums = checksums
 
     def open(self, path: str) -> BinaryIO:
         return open(path, "wb")  # noqa: SIM115 - closed in write_file
@@ -99,8 +135,14 @@ class FileWriter:
         stream.close()
 
     def write_file(self, directory: str, relative_path: str, records: Sequence[Record]) -> list[WriteResult]:
-        stream = self.open(os.path.join(directory, relative_path))
+        path = os.path.join(directory, relative_path)
+        sidecar = checksum_path(path)
+        if not self.checksums and os.path.exists(sidecar):
+            os.remove(sidecar)  # a stale sidecar of an overwritten checkpoint would mislead verify
+        raw = self.open(path)
+        stream: BinaryIO = _CrcStream(raw) if self.checksums else raw  # type: ignore[assignment]
         results: list[WriteResult] = []
+        crcs: list[int] = []
         try:
             for rec in records:
                 offset = stream.tell()
@@ -108,11 +150,25 @@ class FileWriter:
                     rec = Record(rec.key, payload=padded_payload(rec.payload, rec.pad_to) or rec.payload)
                 self.write_record(stream, rec)
                 results.append((rec.key, relative_path, offset, stream.tell() - offset))
+                if self.checksums:
+                    crcs.append(stream.take())  # type: ignore[attr-defined]
         except BaseException:
-            stream.close()
+            raw.close()
             raise
-        self.close(stream)
+        self.close(raw)
+        if self.checksums:
+            self._write_checksums(sidecar, results, crcs)
         return results
+
+    def _write_checksums(self, sidecar: str, results: list[WriteResult], crcs: list[int]) -> None:
+        doc = {"format": CHECKSUM_FORMAT,
+               "records": [{"offset": off, "length": n, "crc32": c}
+                           for (_, _, off, n), c in zip(results, crcs, strict=True)]}
+        with open(sidecar, "wb") as f:
+            f.write(json.dumps(doc, separators=(",", ":")).encode())
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
 
     def write_files(self, directory: str, files: Sequence[tuple[str, Sequence[Record]]]) -> list[WriteResult]:
         """Write every file (one thread each); raise the first error after all threads end."""

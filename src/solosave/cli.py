@@ -1,4 +1,10 @@
-"""The ``solosave`` command line: ``demo``, ``inspect``, ``prepare``."""
+"""The ``solosave`` command line: ``train``, ``inspect``, ``verify``, ``prepare``.
+
+Every subcommand runs in one process without torch.distributed (``train`` launches its own
+ranks). Errors a user can fix (a missing path, a directory without ``.metadata``, a corrupt or
+mismatched prepared file) print one ``solosave <command>: error: ...`` line and exit with 2;
+``verify`` exits with 1 when it finds problems in a readable checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -59,17 +65,57 @@ def _prepare(src: str, out: str, world_size: int | None, workers: int | None) ->
     return 0
 
 
+def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, progress: bool) -> int:
+    from ._progress import ProgressBar
+    from ._verify import checksummed_bytes, verify_checkpoint
+
+    total = checksummed_bytes(path) if checksums else 0
+    bar = ProgressBar(total / 1e6, "verify", unit="MB", enabled=progress and total >= (64 << 20))
+    try:
+        report = verify_checkpoint(path, prepared=prepared, checksums=checksums,
+                                   progress=lambda n: bar.update(n / 1e6))
+    finally:
+        bar.close()
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(f"{report.path}: {report.items} items, {report.records} records in {len(report.files)} "
+              f"files, {sum(report.files.values())} bytes")
+        print(f"  byte ranges: {'ok' if not any('truncated' in p or 'missing' in p for p in report.problems) else 'PROBLEMS'}")
+        print(f"  checksums: {report.checksums}"
+              + (f" ({report.checksummed_records} records match)" if report.checksums != "absent" else
+                 " (save with checksums=True / --ckpt-checksums to record them)"))
+        if report.prepared is not None:
+            print(f"  prepared metadata {prepared}: {report.prepared}")
+        if report.problems:
+            print(f"{len(report.problems)} problem(s):")
+            for p in report.problems:
+                print(f"  - {p}")
+        else:
+            print("OK")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="solosave",
         description="Asynchronous DCP checkpoints whose steady-state saves need one 8-byte all_reduce.")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="run the demo job: N local ranks, async create-then-reuse saves",
-                       add_help=False)
-    d.add_argument("args", nargs=argparse.REMAINDER, help="options of the demo (see `solosave demo --help`)")
-    i = sub.add_parser("inspect", help="show a checkpoint directory, .metadata or prepared file")
-    i.add_argument("path")
+    t = sub.add_parser("train", help="the main job: train a small GPT on N local ranks with async "
+                       "solosave checkpoints (see `solosave train --help`)", add_help=False)
+    t.add_argument("args", nargs=argparse.REMAINDER, help="options of the job (see `solosave train --help`)")
+    i = sub.add_parser("inspect", help="show a checkpoint directory, .metadata or prepared file: "
+                       "items, files, storage_meta, fingerprint")
+    i.add_argument("path", help="checkpoint directory, .metadata file or prepared-metadata file")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    v = sub.add_parser("verify", help="check that a checkpoint's data files hold every byte range "
+                       "its .metadata names (and recorded checksums match)")
+    v.add_argument("path", help="checkpoint directory")
+    v.add_argument("--prepared", metavar="FILE", default=None,
+                   help="also check that this prepared-metadata file matches the checkpoint's layout")
+    v.add_argument("--no-checksums", action="store_true", help="skip the checksum pass even if recorded")
+    v.add_argument("--json", action="store_true", help="machine-readable output")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("prepare", help="make a prepared-metadata file from an existing checkpoint")
     p.add_argument("--from", dest="src", required=True, help="checkpoint directory or .metadata file")
     p.add_argument("--out", required=True, help="prepared-metadata file to write")
@@ -80,10 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:
-        from .demo import main as demo_main
+    if argv[:1] == ["train"]:
+        from .train import main as train_main
 
-        return demo_main(argv[1:])
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     from ._errors import SolosaveError
 
@@ -92,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(args.path, args.json)
         if args.command == "prepare":
             return _prepare(args.src, args.out, args.world_size, args.workers)
+        if args.command == "verify":
+            return _verify(args.path, args.prepared, args.json, not args.no_checksums,
+                           not args.no_progress)
     except (SolosaveError, OSError) as e:
         print(f"solosave {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,220 @@
+"""Checking a published checkpoint against its ``.metadata`` (``solosave verify``, and
+:func:`solosave.load` before it reads any value).
+
+One process, no collective. What is checked, in order:
+
+1. ``.metadata`` is readable (allowlisted unpickling) and every tensor chunk / bytes item it
+   declares has exactly one storage entry;
+2. every byte range ``(file, offset, length)`` it names lies inside an existing data file;
+3. if the data files have checksum sidecars (``AsyncCheckpointer(checksums=True)``): the CRC32
+   of every range equals the recorded one;
+4. optionally, a prepared-metadata file places every item exactly where this checkpoint has it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ._errors import PreparedMetadataError
+from ._layout import check_results_cover, index_key
+from ._prepared import _infer_world_workers as infer_world_workers
+from ._prepared import load_prepared_metadata
+from ._write import CHECKSUM_FORMAT, checksum_path
+
+_READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """The findings of :func:`verify_checkpoint`; ``ok`` when ``problems`` is empty."""
+
+    path: str
+    items: int
+    records: int
+    files: dict[str, int]
+    #: "verified" (every record has a matching CRC32), "absent" (no sidecars), "partial".
+    checksums: str
+    checksummed_records: int
+    #: None (not asked), "matches" or "differs".
+    prepared: str | None
+    problems: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "ok": self.ok, "items": self.items, "records": self.records,
+                "files": self.files, "checksums": self.checksums,
+                "checksummed_records": self.checksummed_records, "prepared": self.prepared,
+                "problems": list(self.problems)}
+
+
+def _ranges_by_file(storage_data: Mapping[Any, Any]) -> dict[str, list[tuple[int, int, str]]]:
+    per_file: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for index, info in storage_data.items():
+        per_file[info.relative_path].append((int(info.offset), int(info.length), _name(index)))
+    return per_file
+
+
+def _name(index: Any) -> str:
+    fqn, offsets = index_key(index)
+    return fqn if offsets is None or not any(offsets) else f"{fqn}@{list(offsets)}"
+
+
+def check_ranges(directory: str | os.PathLike, storage_data: Mapping[Any, Any],
+                 files: Iterable[str] | None = None) -> list[str]:
+    """Every byte range of ``storage_data`` (restricted to ``files``) lies inside its data file."""
+    per_file = _ranges_by_file(storage_data)
+    wanted = set(per_file) if files is None else set(files) & set(per_file)
+    problems: list[str] = []
+    for rel in sorted(wanted):
+        path = os.path.join(os.fspath(directory), rel)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            problems.append(f"{rel}: missing ({len(per_file[rel])} record(s) point into it)")
+            continue
+        end, name = max((off + n, name) for off, n, name in per_file[rel])
+        if end > size:
+            short = sum(1 for off, n, _ in per_file[rel] if off + n > size)
+            problems.append(f"{rel}: truncated: {size} bytes, but .metadata needs {end} "
+                            f"({short} record(s) past the end, e.g. {name})")
+    return problems
+
+
+def _read_metadata(directory: str) -> Metadata:
+    if not os.path.isdir(directory):
+        raise PreparedMetadataError(f"{directory}: no such checkpoint directory")
+    prepared = load_prepared_metadata(directory)  # safe unpickling, clear errors
+    return prepared.metadata
+
+
+def _checksums(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
+               progress: Callable[[int], None] | None) -> tuple[str, int, list[str]]:
+    problems: list[str] = []
+    checked = 0
+    with_sidecar = 0
+    for rel in sorted(per_file):
+        data_path = os.path.join(directory, rel)
+        sidecar = checksum_path(data_path)
+        if not os.path.exists(sidecar):
+            continue
+        with_sidecar += 1
+        try:
+            with open(sidecar, "rb") as f:
+                doc = json.loads(f.read())
+            if doc.get("format") != CHECKSUM_FORMAT:
+                raise ValueError(f"unknown format {doc.get('format')!r}")
+            recorded = {(int(r["offset"]), int(r["length"])): int(r["crc32"]) for r in doc["records"]}
+        except (ValueError, KeyError, TypeError) as e:
+            problems.append(f"{rel}{os.path.basename(sidecar)[len(rel):]}: unreadable checksum file ({e})")
+            continue
+        try:
+            f = open(data_path, "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            continue  # reported by check_ranges
+        with f:
+            for off, n, name in sorted(per_file[rel]):
+                want = recorded.get((off, n))
+                if want is None:
+                    problems.append(f"{rel}: no checksum recorded for {name} at {off}+{n}")
+                    continue
+                f.seek(off)
+                crc, left = 0, n
+                while left > 0:
+                    buf = f.read(min(_READ_CHUNK, left))
+                    if not buf:
+                        break
+                    crc = zlib.crc32(buf, crc)
+                    left -= len(buf)
+                    if progress is not None:
+                        progress(len(buf))
+                if left > 0:
+                    continue  # truncated: reported by check_ranges
+                checked += 1
+                if crc != want:
+                    problems.append(f"{rel}: checksum mismatch for {name} at {off}+{n} "
+                                    f"(crc32 {crc:08x}, recorded {want:08x})")
+    status = "absent" if with_sidecar == 0 else ("verified" if with_sidecar == len(per_file) else "partial")
+    return status, checked, problems
+
+
+def compare_with_prepared(md: Metadata, prepared_path: str | os.PathLike) -> list[str]:
+    """Differences between a checkpoint's metadata and a prepared file's layout (empty: same)."""
+    prepared = load_prepared_metadata(prepared_path)
+    pm = prepared.metadata
+    problems: list[str] = []
+    ranks, files = infer_world_workers(md)
+    fp = prepared.fingerprint
+    if fp.world_size is not None and fp.world_size < ranks:
+        problems.append(f"prepared: made for world_size={fp.world_size}, the checkpoint has files "
+                        f"of {ranks} ranks")
+    if fp.workers is not None and fp.workers < files:
+        problems.append(f"prepared: made for workers={fp.workers}, the checkpoint has {files} files per rank")
+    a, b = md.state_dict_metadata, pm.state_dict_metadata
+    for fqn in sorted(a.keys() - b.keys()):
+        problems.append(f"prepared: {fqn} is in the checkpoint but not in the prepared metadata")
+    for fqn in sorted(b.keys() - a.keys()):
+        problems.append(f"prepared: {fqn} is in the prepared metadata but not in the checkpoint")
+    for fqn in sorted(a.keys() & b.keys()):
+        if a[fqn] != b[fqn]:
+            problems.append(f"prepared: {fqn} has another shape, dtype or chunking")
+    sa = {index_key(k): (v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
+    sb = {index_key(k): (v.relative_path, v.offset, v.length) for k, v in pm.storage_data.items()}
+    moved = sorted((k for k in sa.keys() & sb.keys() if sa[k] != sb[k]), key=lambda k: (k[0], k[1] or ()))
+    for k in moved[:20]:
+        problems.append(f"prepared: {k[0]} is at {sa[k]} in the checkpoint, {sb[k]} in the prepared file")
+    if len(moved) > 20:
+        problems.append(f"prepared: ... and {len(moved) - 20} more records placed differently")
+    return problems
+
+
+def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | None = None,
+                      checksums: bool = True,
+                      progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check the checkpoint directory ``path`` (see the module docstring). Raises
+    :class:`~solosave.PreparedMetadataError` if there is no readable ``.metadata``; every other
+    finding is a line in the report's ``problems``. ``progress(n)`` is called with the bytes
+    read while checking checksums."""
+    directory = os.fspath(path)
+    md = _read_metadata(directory)
+    results = [(index_key(k), v.relative_path, int(v.offset), int(v.length)) for k, v in md.storage_data.items()]
+    problems = check_results_cover(md.state_dict_metadata, results)
+    problems += check_ranges(directory, md.storage_data)
+    per_file = _ranges_by_file(md.storage_data)
+    status, checked = "absent", 0
+    if checksums:
+        status, checked, crc_problems = _checksums(directory, per_file, progress)
+        problems += crc_problems
+    prepared_status = None
+    if prepared is not None:
+        diffs = compare_with_prepared(md, prepared)
+        prepared_status = "differs" if diffs else "matches"
+        problems += diffs
+    files = {rel: max(off + n for off, n, _ in rs) for rel, rs in sorted(per_file.items())}
+    return VerifyReport(directory, len(md.state_dict_metadata), len(results), files, status, checked,
+                        prepared_status, tuple(problems))
+
+
+def checksummed_bytes(path: str | os.PathLike) -> int:
+    """Bytes :func:`verify_checkpoint` reads for checksums (for sizing a progress bar)."""
+    directory = os.fspath(path)
+    md = _read_metadata(directory)
+    total = 0
+    for rel, rs in _ranges_by_file(md.storage_data).items():
+        if os.path.exists(checksum_path(os.path.join(directory, rel))):
+            total += sum(n for _, n, _ in rs)
+    return total
+
+
+__all__ = ["VerifyReport", "check_ranges", "checksummed_bytes", "compare_with_prepared",
+           "verify_checkpoint"]

@@ -1,0 +1,307 @@
+"""Helpers for your own training loop: Megatron-style flags and a checkpoint directory manager.
+
+Which ranks call what, in which order::
+
+    parser = argparse.ArgumentParser()
+    solosave.integrations.add_checkpoint_args(parser)       # any process, no torch.distributed
+    args = parser.parse_args()
+    validate_checkpoint_args(args)                           # raises ValueError on bad combinations
+    dist.init_process_group(...)
+    resume = find_latest_checkpoint(args.load)               # every rank (reads the filesystem)
+    ckpt = checkpointer_from_args(args, resumed_from=resume) # every rank: collective once (setup)
+    manager = CheckpointManager(args.save, ckpt, keep_last=args.keep_last,
+                                async_save=args.async_save)
+    for step in ...:
+        manager.poll()                                       # every step: never blocks, no collective
+        if step % args.save_interval == 0:
+            manager.save(step, state_dict)                   # every rank, same steps
+    manager.finish()                                         # every rank: waits (bounded), closes
+
+A checkpoint of step ``s`` lives in ``<save>/iter_{s:07d}``. It counts as *published* once its
+``.metadata`` exists: solosave writes that file last and atomically. Only then does the
+coordinator (rank 0) move ``<save>/latest`` (atomically) and prune old checkpoints
+(``keep_last``), never the newest published one and never one newer than it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._checkpointer import AsyncCheckpointer, SaveHandle, SaveResult
+from ._errors import FingerprintMismatchError, SolosaveError
+from ._prepared import PreparedMetadata, load_prepared_metadata
+from ._publish import METADATA_FILE, atomic_write
+
+log = logging.getLogger("solosave")
+
+LATEST_FILE = "latest"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+AUTO = "auto"
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the checkpointing flags (named as in Megatron-LM) to ``parser``, in their own group."""
+    g = parser.add_argument_group("checkpointing (solosave)")
+    g.add_argument("--save", metavar="DIR", default=None,
+                   help="directory for checkpoints (iter_XXXXXXX sub-directories); none: no saves")
+    g.add_argument("--save-interval", metavar="K", type=int, default=None,
+                   help="save every K steps (and at the last step)")
+    g.add_argument("--load", metavar="DIR", default=None,
+                   help="resume from the newest published checkpoint under DIR (partial ones are ignored)")
+    g.add_argument("--async-save", action="store_true",
+                   help="return to training right after staging; the worker writes in the background")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                   help="write in one spawned worker process per rank, reused by every save "
+                        "(default: a background thread)")
+    g.add_argument("--ckpt-metadata", metavar="FILE|auto", default=None,
+                   help="prepared metadata to reuse: every save then needs one 8-byte all_reduce. "
+                        "'auto': the .metadata of the checkpoint resumed from, if its fingerprint "
+                        "matches this run (else one is created at the first save, in <save>/prepared.metadata)")
+    g.add_argument("--ckpt-metadata-create", action="store_true",
+                   help="create the --ckpt-metadata FILE at the first save if it does not exist")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="without prepared metadata: stop gathering plans once two saves had the same plan")
+    g.add_argument("--dist-ckpt-workers", metavar="N", type=int, default=1,
+                   help="files (writer threads) per rank (default 1)")
+    g.add_argument("--keep-last", metavar="N", type=int, default=None,
+                   help="keep only the N newest published checkpoints (never deletes the newest good one)")
+    g.add_argument("--ckpt-checksums", action="store_true",
+                   help="record a CRC32 per item next to each data file, for `solosave verify`")
+    g.add_argument("--ckpt-timeout", metavar="SECONDS", type=float, default=600.0,
+                   help="bound of every checkpoint wait (default 600)")
+    return parser
+
+
+def validate_checkpoint_args(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` naming the flag and the fix for an inconsistent combination."""
+    if args.ckpt_metadata_create and not args.ckpt_metadata:
+        raise ValueError("--ckpt-metadata-create needs --ckpt-metadata FILE (the file to create); "
+                         "add --ckpt-metadata <file>, or --ckpt-metadata auto")
+    if args.ckpt_metadata_create and args.ckpt_metadata == AUTO:
+        raise ValueError("--ckpt-metadata auto already creates the prepared metadata when it finds "
+                         "none to reuse; drop --ckpt-metadata-create")
+    if args.ckpt_metadata == AUTO and not args.save:
+        raise ValueError("--ckpt-metadata auto keeps its prepared file under --save DIR; add --save")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
+    if args.save_interval is not None and not args.save:
+        raise ValueError("--save-interval needs --save DIR (where the checkpoints go)")
+    if args.keep_last is not None and args.keep_last < 1:
+        raise ValueError(f"--keep-last must be >= 1 (the newest good checkpoint is always kept), "
+                         f"got {args.keep_last}")
+    if args.dist_ckpt_workers < 1:
+        raise ValueError(f"--dist-ckpt-workers must be >= 1, got {args.dist_ckpt_workers}")
+    if args.ckpt_timeout <= 0:
+        raise ValueError(f"--ckpt-timeout must be > 0 seconds, got {args.ckpt_timeout}")
+
+
+# -- the checkpoint directory ------------------------------------------------------------------
+def checkpoint_dir(save_dir: str | os.PathLike, step: int) -> str:
+    """``<save_dir>/iter_{step:07d}``."""
+    return os.path.join(os.fspath(save_dir), f"iter_{step:07d}")
+
+
+def published_checkpoints(save_dir: str | os.PathLike) -> list[tuple[int, str]]:
+    """``(step, path)`` of every checkpoint under ``save_dir`` with a published ``.metadata``,
+    oldest first. Partial checkpoints (no ``.metadata``) are left out."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return []
+    out = []
+    for name in os.listdir(save_dir):
+        m = _ITER_RE.match(name)
+        path = os.path.join(os.fspath(save_dir), name)
+        if m and os.path.isfile(os.path.join(path, METADATA_FILE)):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def find_latest_checkpoint(save_dir: str | os.PathLike | None) -> tuple[int, str] | None:
+    """The newest published checkpoint under ``save_dir`` as ``(step, path)``, or ``None``.
+
+    The directory listing decides, not the ``latest`` marker: a marker that is missing or points
+    at a removed checkpoint does not hide a newer published one."""
+    found = published_checkpoints(save_dir) if save_dir else []
+    return found[-1] if found else None
+
+
+def prepared_for_resume(resumed_from: str, world_size: int, workers: int) -> PreparedMetadata | None:
+    """The ``.metadata`` of ``resumed_from`` as prepared metadata, if it fits this run
+    (``--ckpt-metadata auto``); ``None`` (with a log line saying why) otherwise."""
+    try:
+        prepared = load_prepared_metadata(resumed_from)
+        prepared.check_compatible(world_size, workers)
+    except (FingerprintMismatchError, SolosaveError, OSError) as e:
+        log.warning("solosave: --ckpt-metadata auto: not reusing %s: %s", resumed_from, e)
+        return None
+    return prepared
+
+
+def checkpointer_from_args(args: argparse.Namespace, process_group: Any = None,
+                           resumed_from: str | None = None, **overrides: Any) -> AsyncCheckpointer:
+    """Build the :class:`~solosave.AsyncCheckpointer` the flags describe (every rank; collective
+    once, for the worker's setup). ``resumed_from``: the checkpoint this run resumed from, used
+    by ``--ckpt-metadata auto``. ``overrides`` go to the constructor as they are."""
+    import torch.distributed as dist
+
+    validate_checkpoint_args(args)
+    kw: dict[str, Any] = dict(
+        process_group=process_group, workers=args.dist_ckpt_workers,
+        persistent_worker=bool(args.use_persistent_ckpt_worker),
+        assume_constant_structure=bool(args.ckpt_assume_constant_structure),
+        timeout=args.ckpt_timeout, checksums=bool(args.ckpt_checksums))
+    if args.ckpt_metadata == AUTO:
+        prepared = None
+        if resumed_from is not None:
+            prepared = prepared_for_resume(resumed_from, dist.get_world_size(process_group),
+                                           args.dist_ckpt_workers)
+        if prepared is not None:
+            kw["prepared_metadata"] = prepared
+        else:
+            kw["prepared_metadata"] = os.path.join(args.save, "prepared.metadata")
+            kw["create_prepared_metadata"] = True
+    elif args.ckpt_metadata:
+        kw["prepared_metadata"] = args.ckpt_metadata
+        kw["create_prepared_metadata"] = bool(args.ckpt_metadata_create)
+    kw.update(overrides)
+    return AsyncCheckpointer(**kw)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedSave:
+    """A save that finished (successfully or not), as :meth:`CheckpointManager.poll` reports it."""
+
+    step: int
+    path: str
+    result: SaveResult | None
+    error: BaseException | None
+
+
+class CheckpointManager:
+    """Runs saves into ``<save_dir>/iter_XXXXXXX``, moves ``latest`` and prunes old checkpoints.
+
+    Every rank constructs one and calls :meth:`save` at the same steps; :meth:`poll` (never
+    blocks, no collective) collects finished saves; :meth:`finish` waits for the last one. Only
+    the coordinator (``checkpointer.rank == 0``) writes ``latest`` and deletes directories, and
+    only after its own result says the checkpoint was published. A failed save is reported (and
+    kept in :attr:`failures`); training goes on, the previous checkpoint stays the newest.
+    A step whose directory already holds a published checkpoint raises
+    :class:`~solosave.CheckpointExistsError` from :meth:`save` unless ``overwrite``.
+    ``on_done`` is called on every rank with each :class:`PublishedSave`.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike, checkpointer: AsyncCheckpointer, *,
+                 keep_last: int | None = None, async_save: bool = True, overwrite: bool = False,
+                 on_done: Callable[[PublishedSave], None] | None = None) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.save_dir = os.fspath(save_dir)
+        self.checkpointer = checkpointer
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.on_done = on_done
+        self.overwrite = overwrite
+        self.failures: list[PublishedSave] = []
+        self.done: list[PublishedSave] = []
+        self._pending: tuple[int, SaveHandle] | None = None
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.checkpointer.rank == 0
+
+    def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle:
+        """Save ``state_dict`` as step ``step``. With ``async_save`` it returns after staging;
+        otherwise it waits for publication. A previous save still in flight is finished first."""
+        self._collect(block=True)
+        path = checkpoint_dir(self.save_dir, step)
+        handle = self.checkpointer.save(state_dict, path, overwrite=self.overwrite)
+        self._pending = (step, handle)
+        if not self.async_save:
+            self._collect(block=True)
+        return handle
+
+    def poll(self) -> list[PublishedSave]:
+        """Collect the save in flight if it has finished (non-blocking, no collective)."""
+        return self._collect(block=False)
+
+    def finish(self, timeout: float | None = None) -> list[PublishedSave]:
+        """Wait for the save in flight (bounded) and close the checkpointer."""
+        try:
+            return self._collect(block=True, timeout=timeout)
+        finally:
+            self.checkpointer.close()
+
+    def _collect(self, block: bool, timeout: float | None = None) -> list[PublishedSave]:
+        if self._pending is None:
+            return []
+        step, handle = self._pending
+        if not block and not handle.done():
+            return []
+        self._pending = None
+        try:
+            done = PublishedSave(step, handle.path, handle.wait(timeout), None)
+        except SolosaveError as e:
+            done = PublishedSave(step, handle.path, None, e)
+            self.failures.append(done)
+            log.error("solosave: checkpoint of step %d (%s) failed: %s", step, handle.path, e)
+        if done.result is not None and self.is_coordinator and done.result.published:
+            self._mark_latest(done)
+            self._prune()
+        self.done.append(done)
+        if self.on_done is not None:
+            self.on_done(done)
+        return [done]
+
+    def _mark_latest(self, done: PublishedSave) -> None:
+        atomic_write(os.path.join(self.save_dir, LATEST_FILE),
+                     (os.path.basename(done.path) + "\n").encode())
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        published = published_checkpoints(self.save_dir)
+        if not published:
+            return
+        newest = published[-1][0]
+        keep = {s for s, _ in published[-self.keep_last:]}
+        for name in os.listdir(self.save_dir):
+            m = _ITER_RE.match(name)
+            if not m:
+                continue
+            s = int(m.group(1))
+            # Older than the newest published one and not among the kept: published or partial.
+            if s < newest and s not in keep:
+                path = os.path.join(self.save_dir, name)
+                _remove_checkpoint(path)
+
+
+def _remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint directory, ``.metadata`` first: a crash midway leaves a partial
+    checkpoint (ignored by loaders), never a published one with missing data files."""
+    try:
+        os.remove(os.path.join(path, METADATA_FILE))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def read_latest_marker(save_dir: str | os.PathLike) -> str | None:
+    """The checkpoint name in ``<save_dir>/latest``, or ``None``."""
+    try:
+        with open(os.path.join(save_dir, LATEST_FILE)) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+__all__ = [
+    "AUTO", "LATEST_FILE", "CheckpointManager", "PublishedSave", "add_checkpoint_args",
+    "checkpoint_dir", "checkpointer_from_args", "find_latest_checkpoint", "prepared_for_resume",
+    "published_checkpoints", "read_latest_marker", "validate_checkpoint_args",
+]

@@ -1,0 +1,132 @@
+"""End to end: `solosave train` at 2 ranks under torch.distributed.run - create-then-reuse saves,
+resume bit for bit (ignoring a partial checkpoint), `--ckpt-metadata auto`, FSDP2 shards, and the
+CLI subcommands on the checkpoints it produced."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from solosave.cli import main as cli
+
+pytestmark = pytest.mark.timeout(300)
+
+COMMON = ["--nproc", "2", "--no-progress", "--layers", "1", "--d-model", "64", "--heads", "2",
+          "--vocab", "128", "--seq-len", "32", "--batch-size", "4"]
+
+
+def train(*args, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "solosave", "train", *COMMON, *map(str, args)],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    return r
+
+
+def records(path, event):
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if r["event"] == event]
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory):
+    """8 steps, saves at 4 and 8 with create-then-reuse, checksums recorded."""
+    d = tmp_path_factory.mktemp("a")
+    r = train("--steps", 8, "--save", d / "ckpt", "--save-interval", 4, "--async-save",
+              "--use-persistent-ckpt-worker", "--ckpt-metadata", d / "prepared.metadata",
+              "--ckpt-metadata-create", "--ckpt-checksums", "--json-log", d / "log.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return d, r.stdout
+
+
+def test_create_then_reuse_and_report_lines(run_a):
+    d, out = run_a
+    saves = records(d / "log.jsonl", "save")
+    assert [s["mode"] for s in saves] == ["create", "reuse"]
+    assert saves[1]["collectives"] == {"all_reduce": {"count": 1, "bytes": 8}}
+    assert saves[1]["collectives_in_loop"] == 0 and saves[0]["collectives_in_loop"] == 0
+    assert all(s["bytes_total"] > 0 and s["block_ms"] > 0 for s in saves)
+    assert "summary of saves" in out and "mode=reuse" in out and "verified" in out
+    assert (d / "ckpt" / "latest").read_text().strip() == "iter_0000008"
+    losses = [s["loss"] for s in records(d / "log.jsonl", "step")]
+    assert len(losses) == 8 and losses[-1] < losses[0]  # it learns
+
+
+def test_resume_bit_for_bit_ignoring_partial(run_a, tmp_path):
+    d, _ = run_a
+    load_dir = tmp_path / "load"
+    shutil.copytree(d / "ckpt", load_dir)
+    os.remove(load_dir / "iter_0000008" / ".metadata")  # now partial: must be ignored
+    r = train("--steps", 8, "--load", load_dir, "--save", tmp_path / "b", "--save-interval", 4,
+              "--async-save", "--use-persistent-ckpt-worker", "--ckpt-metadata", "auto",
+              "--json-log", tmp_path / "b.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and "iter_0000004" in r.stdout
+    original = {s["step"]: s["loss"] for s in records(d / "log.jsonl", "step")}
+    resumed = {s["step"]: s["loss"] for s in records(tmp_path / "b.jsonl", "step")}
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert all(resumed[k] == original[k] for k in resumed), (resumed, original)
+    # auto: the resumed checkpoint's .metadata fits, so even the first save of this job reuses it
+    assert [s["mode"] for s in records(tmp_path / "b.jsonl", "save")] == ["reuse"]
+
+
+def test_fsdp_shards_resume_and_keep_last(tmp_path):
+    log = tmp_path / "log.jsonl"
+    r = train("--parallel", "fsdp", "--steps", 6, "--save", tmp_path / "c", "--save-interval", 2,
+              "--async-save", "--use-persistent-ckpt-worker", "--ckpt-metadata",
+              tmp_path / "p.md", "--ckpt-metadata-create", "--keep-last", 1, "--json-log", log)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [s["mode"] for s in records(log, "save")] == ["create", "reuse", "reuse"]
+    assert sorted(p for p in os.listdir(tmp_path / "c") if p.startswith("iter_")) == ["iter_0000006"]
+    r2 = train("--parallel", "fsdp", "--steps", 7, "--load", tmp_path / "c", "--json-log", tmp_path / "d.jsonl")
+    assert r2.returncode == 0, r2.stdout + r2.stderr
+    assert [s["step"] for s in records(tmp_path / "d.jsonl", "step")] == [7]
+
+
+def test_fsdp_checkpoint_holds_shards(tmp_path, capsys):
+    r = train("--parallel", "fsdp", "--steps", 1, "--save", tmp_path / "s", "--save-interval", 1)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert cli(["inspect", str(tmp_path / "s" / "iter_0000001"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    chunks = {i["key"]: i.get("chunks") for i in rep["items"]}
+    assert chunks["model.tok.weight"] == 2  # one shard per rank
+
+
+def test_cli_on_trained_checkpoint(run_a, tmp_path, capsys):
+    d, _ = run_a
+    ck = d / "ckpt" / "iter_0000008"
+    assert cli(["verify", str(ck), "--prepared", str(d / "prepared.metadata"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["ok"] and rep["checksums"] == "verified" and rep["prepared"] == "matches"
+    assert rep["checksummed_records"] == rep["records"]
+    out = tmp_path / "offline.md"
+    assert cli(["prepare", "--from", str(ck), "--out", str(out), "--world-size", "2", "--workers", "1"]) == 0
+    assert cli(["inspect", str(out), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert rep["fingerprint"]["world_size"] == 2
+    # a flipped byte in a data file is caught by its checksum
+    bad = tmp_path / "bad"
+    shutil.copytree(ck, bad)
+    data = bytearray((bad / "__1_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "__1_0.distcp").write_bytes(bytes(data))
+    assert cli(["verify", str(bad)]) == 1
+    assert "checksum mismatch" in capsys.readouterr().out
+
+
+def test_flag_errors_are_clear(tmp_path):
+    r = train("--steps", 2, "--ckpt-metadata-create")
+    assert r.returncode == 2 and "--ckpt-metadata-create needs --ckpt-metadata" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_mismatched_prepared_file_fails_clearly(run_a, tmp_path):
+    d, _ = run_a
+    other = tmp_path / "ws4.md"
+    assert cli(["prepare", "--from", str(d / "ckpt" / "iter_0000008"), "--out", str(other),
+                "--world-size", "4"]) == 0
+    r = train("--steps", 2, "--save", tmp_path / "x", "--ckpt-metadata", other, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "world_size differs" in r.stderr and "Traceback" not in r.stderr

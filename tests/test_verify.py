@@ -1,0 +1,70 @@
+"""solosave verify / solosave.load on damaged checkpoints, and the checksum sidecars."""
+
+import json
+import os
+import zlib
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import solosave
+from solosave._write import FileWriter, Record, checksum_path
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    d = tmp_path / "ck"
+    dcp.save({"a": torch.arange(1000.0), "b": torch.ones(64, 64), "step": 3}, checkpoint_id=str(d), no_dist=True)
+    return d
+
+
+def test_clean_checkpoint_verifies(ckpt):
+    rep = solosave.verify_checkpoint(ckpt)
+    assert rep.ok and rep.items == 3 and rep.records == 3 and rep.checksums == "absent"
+    assert rep.files == {"__0_0.distcp": os.path.getsize(ckpt / "__0_0.distcp")}
+
+
+def test_truncated_data_file_caught_by_verify_and_load(ckpt):
+    f = ckpt / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:-100])
+    rep = solosave.verify_checkpoint(ckpt)
+    assert not rep.ok and any("truncated" in p for p in rep.problems)
+    target = {"a": torch.zeros(1000), "b": torch.zeros(64, 64), "step": 0}
+    with pytest.raises(solosave.CorruptCheckpointError, match="truncated") as ei:
+        solosave.load(target, ckpt)
+    assert ei.value.problems and torch.count_nonzero(target["a"]) == 0  # nothing half-loaded
+
+
+def test_missing_data_file(ckpt):
+    os.remove(ckpt / "__0_0.distcp")
+    rep = solosave.verify_checkpoint(ckpt)
+    assert any("missing" in p for p in rep.problems)
+
+
+def test_verify_needs_a_published_checkpoint(tmp_path):
+    with pytest.raises(solosave.PreparedMetadataError, match="no .metadata"):
+        solosave.verify_checkpoint(tmp_path)
+
+
+def test_error_pickles_with_its_problems():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(solosave.CorruptCheckpointError("bad", ["x truncated"])))
+    assert str(e) == "bad" and e.problems == ["x truncated"]
+
+
+def test_writer_records_checksums_and_drops_stale_ones(tmp_path):
+    recs = [Record(("t", (0,)), tensor=torch.arange(10.0)), Record(("s", None), payload=b"x" * 300)]
+    results = FileWriter(fsync=False, checksums=True).write_file(str(tmp_path), "__0_0.distcp", recs)
+    side = json.loads(open(checksum_path(str(tmp_path / "__0_0.distcp"))).read())
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    assert [(r["offset"], r["length"]) for r in side["records"]] == [(o, n) for _, _, o, n in results]
+    assert all(zlib.crc32(data[r["offset"]:r["offset"] + r["length"]]) == r["crc32"] for r in side["records"])
+    FileWriter(fsync=False).write_file(str(tmp_path), "__0_0.distcp", recs)
+    assert not os.path.exists(checksum_path(str(tmp_path / "__0_0.distcp")))
+
+
+def test_checksums_option_conflicts_with_plain_writer():
+    with pytest.raises(ValueError, match="checksums=True"):
+        solosave.AsyncCheckpointer(checksums=True, writer=FileWriter())
