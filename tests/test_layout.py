@@ -124,3 +124,75 @@ def test_layout_guard_other_file():
     w = _written()
     w[1] = (("w", (0,)), "__0_1.distcp", 0, 100)
     assert any("prepared in __0_0.distcp" in d for d in check_layout(_layout(), w))
+
+
+# -- validation at scale: O(n log n), errors name the tensor ----------------------------------
+
+def _dim0_chunks(rows, cols, world):
+    step = -(-rows // world)
+    return [((min(r * step, rows), 0), (max(0, min(step, rows - r * step)), cols)) for r in range(world)]
+
+
+@pytest.mark.parametrize("case, needle", [("gap", "gap"), ("overlap", "overlap"), ("outside", "outside")])
+def test_wide_dim0_sharding_errors_name_the_tensor(case, needle):
+    chunks = _dim0_chunks(4096, 11008, 64)  # a "wide" tensor: dim 1 is the largest
+    if case == "gap":
+        del chunks[10]
+    elif case == "overlap":
+        (o, s) = chunks[10]
+        chunks[10] = ((o[0] - 3, 0), s)
+        chunks[9] = (chunks[9][0], (chunks[9][1][0], 11008))
+    else:
+        chunks[-1] = (chunks[-1][0], (chunks[-1][1][0] + 1, 11008))
+    errs = validate_chunks("layers.3.mlp.down_proj.weight", (4096, 11008), chunks)
+    assert errs, case
+    assert needle in " ".join(errs)
+    assert all("layers.3.mlp.down_proj.weight" in e for e in errs)
+
+
+def test_global_metadata_errors_name_the_tensor():
+    specs = [ItemSpec("w", ItemKind.TENSOR, (r * 2, 0), (2, 8), (8, 8), "float32", 64) for r in range(4)]
+    build_state_dict_metadata(specs)  # exact tiling: fine
+    with pytest.raises(PlanValidationError, match="'w': chunks cover 48 of 64 elements"):
+        build_state_dict_metadata(specs[:2] + specs[3:])
+    shifted = specs[:3] + [ItemSpec("w", ItemKind.TENSOR, (5, 0), (2, 8), (8, 8), "float32", 64)]
+    with pytest.raises(PlanValidationError, match="'w': chunks at .* overlap"):
+        build_state_dict_metadata(shifted)
+    outside = specs[:3] + [ItemSpec("w", ItemKind.TENSOR, (6, 0), (2, 9), (8, 8), "float32", 64)]
+    with pytest.raises(PlanValidationError, match="'w': chunk at \\[6, 0\\] of size \\[2, 9\\] lies outside"):
+        build_state_dict_metadata(outside)
+    clash = specs + [ItemSpec("w", ItemKind.TENSOR, (0, 0), (3, 8), (8, 8), "float32", 64)]
+    with pytest.raises(PlanValidationError, match="'w': the chunk at \\[0, 0\\] has size"):
+        build_state_dict_metadata(clash)
+
+
+def test_empty_trailing_chunks_are_valid_and_the_sweep_is_not_quadratic():
+    import time
+
+    chunks = _dim0_chunks(11008, 4096, 512) + _dim0_chunks(4096, 11008, 16384)[:0]
+    assert validate_chunks("up", (11008, 4096), chunks) == []  # 501 non-empty, 11 empty chunks
+    wide = _dim0_chunks(4096, 11008, 4096)
+    t0 = time.perf_counter()
+    assert validate_chunks("down", (4096, 11008), wide) == []
+    assert time.perf_counter() - t0 < 0.5  # was a quadratic sweep along dim 1
+
+
+def test_grid_sharding_with_overlap_found():
+    chunks = [((i * 4, j * 4), (4, 4)) for i in range(8) for j in range(8)]
+    assert validate_chunks("g", (32, 32), chunks) == []
+    chunks[-1] = ((27, 28), (4, 4))
+    errs = validate_chunks("g", (32, 32), chunks)
+    assert any("overlap" in e for e in errs)
+
+
+def test_build_metadata_shares_keys_with_chunks():
+    from solosave._layout import build_metadata
+
+    specs = [ItemSpec("w", ItemKind.TENSOR, (r * 2,), (2,), (8,), "float32", 8) for r in range(4)]
+    sdm = build_state_dict_metadata(specs)
+    results = [(("w", (r * 2,)), f"__{r}_0.distcp", 0, 100) for r in range(4)]
+    md = build_metadata(sdm, results, {"w": ("w",)})
+    chunks = md.state_dict_metadata["w"].chunks
+    for idx in md.storage_data:
+        assert idx.offset is chunks[idx.index].offsets
+        assert idx.fqn is next(iter(md.state_dict_metadata))

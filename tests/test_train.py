@@ -130,3 +130,27 @@ def test_mismatched_prepared_file_fails_clearly(run_a, tmp_path):
     r = train("--steps", 2, "--save", tmp_path / "x", "--ckpt-metadata", other, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "world_size differs" in r.stderr and "Traceback" not in r.stderr
+
+
+SCRIPT_WITHOUT_MAIN_GUARD = '''
+import sys, torch, torch.distributed as dist
+import solosave
+dist.init_process_group("gloo")
+with solosave.AsyncCheckpointer(prepared_metadata=sys.argv[1] + "/p.md", create_prepared_metadata=True) as ck:
+    modes = [ck.save({"w": torch.full((4,), float(s))}, f"{sys.argv[1]}/s{s}").wait().mode for s in range(2)]
+print("modes", dist.get_rank(), modes, flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_user_script_without_main_guard(tmp_path):
+    """The worker is a fresh interpreter: it must not re-run the user's script (a multiprocessing
+    *spawn* child would, and would fail without an ``if __name__ == "__main__"`` guard)."""
+    script = tmp_path / "loop.py"
+    script.write_text(SCRIPT_WITHOUT_MAIN_GUARD)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script), str(tmp_path)], capture_output=True, text=True, timeout=200, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("['create', 'reuse']") == 2
+    assert "resource_tracker" not in r.stderr  # the worker neither owns nor leaks the segments

@@ -68,3 +68,16 @@ def test_writer_records_checksums_and_drops_stale_ones(tmp_path):
 def test_checksums_option_conflicts_with_plain_writer():
     with pytest.raises(ValueError, match="checksums=True"):
         solosave.AsyncCheckpointer(checksums=True, writer=FileWriter())
+
+
+def test_load_errors_are_plain_exceptions(ckpt):
+    """DCP wraps load errors in CheckpointException (a BaseException); solosave.load re-raises
+    the underlying exception so that ``except Exception`` catches it."""
+    with pytest.raises(Exception, match="missing_key"):
+        solosave.load({"missing_key": torch.zeros(2)}, ckpt)
+
+
+def test_writer_from_main_script_is_refused_for_the_worker_process():
+    Main = type("MainWriter", (FileWriter,), {"__module__": "__main__"})
+    with pytest.raises(ValueError, match="defined in the main script"):
+        solosave.AsyncCheckpointer(writer=Main())

@@ -190,6 +190,11 @@ class AsyncCheckpointer:
             timeout=timeout)
         if writer is not None and not isinstance(writer, FileWriter):
             raise TypeError(f"writer must be a solosave.FileWriter, got {type(writer).__name__}")
+        if persistent_worker and writer is not None and type(writer).__module__ == "__main__":
+            raise ValueError(
+                f"writer class {type(writer).__name__} is defined in the main script, which the "
+                "worker process does not import; define it in an importable module, or pass "
+                "persistent_worker=False")
         if checksums:
             if writer is None:
                 writer = FileWriter(checksums=True)
@@ -395,20 +400,37 @@ class AsyncCheckpointer:
         return [h.wait(timeout)]
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish or give up on the save in flight (bounded), stop the worker, free memory."""
+        """Finish or abandon the save in flight (bounded), stop the worker, free memory.
+
+        Every rank should call it. It first waits, at most ``timeout`` seconds (default: the
+        checkpointer's ``timeout``), for the save in flight: normally that save **finishes**
+        and is published, and its handle reports the result. If it does not finish in time (a
+        stuck write, a peer that does not answer) the save is **abandoned**: the worker is
+        stopped (asked, then terminated), nothing more of it is written, and its handle's
+        ``wait()`` raises :class:`~solosave.CheckpointError` saying so; since ``.metadata`` is
+        published last and atomically, the checkpoint is then either complete (the save got
+        that far) or has no ``.metadata``; the previous checkpoints are untouched. ``close()``
+        itself never raises for a failed or abandoned save (it logs a warning), takes at most
+        about ``2 * min(timeout, 30) + 5`` seconds beyond the save's wait, and leaves no worker
+        process or shared-memory segment behind. Idempotent.
+        """
         if self._closed:
             return
         self._closed = True
         t = self.options.timeout if timeout is None else timeout
+        h = self._inflight
+        from ._errors import WorkerDiedError
+
         try:
-            if self._inflight is not None and self._inflight._outcome is None:
+            if h is not None and h._outcome is None:
                 try:
-                    self._wait_for(self._inflight, t)
+                    self._wait_for(h, t)
+                except WorkerDiedError:
+                    pass  # the handle reports it (see below)
                 except Exception as e:  # noqa: BLE001 - close never raises for a failed save
-                    log.warning("solosave: closing with an unfinished save to %s: %s", self._inflight.path, e)
-            if self._inflight is not None and self._inflight._error is not None and not self._inflight.reported:
-                log.warning("solosave: save to %s failed and was never waited for: %s",
-                            self._inflight.path, self._inflight._error)
+                    log.warning("solosave: closing with an unfinished save to %s: %s", h.path, e)
+            if h is not None and h._error is not None and not h.reported:
+                log.warning("solosave: save to %s failed and was never waited for: %s", h.path, h._error)
         finally:
             try:
                 self._transport.close(min(t, 30.0))
@@ -420,6 +442,15 @@ class AsyncCheckpointer:
                     except Exception:  # noqa: BLE001,S110
                         pass
                 self._store = None
+                if h is not None and h._outcome is None:  # abandoned: settle its handle
+                    late = [o for o in getattr(self._transport, "leftover", ()) if o.seq == h.seq]
+                    published = os.path.exists(os.path.join(h.path, METADATA_FILE))
+                    h._set(late[0] if late else JobOutcome(
+                        h.seq, False, h._job.mode.value, error_kind="failed", failures={
+                            self.rank: f"abandoned by close(): the save did not finish within {t:g} s "
+                            "and this rank's worker was stopped; " + (
+                                f"{METADATA_FILE} exists (the coordinator published it before it was "
+                                "stopped)" if published else f"no {METADATA_FILE} was published")}))
 
     def __enter__(self) -> AsyncCheckpointer:
         return self

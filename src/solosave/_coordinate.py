@@ -114,11 +114,11 @@ class Channel:
         self._record("all_gather_object", len(data), t0)
         return [pickle.loads(b) for b in out]
 
-    def all_reduce_min(self, value: int) -> int:
-        """One ``all_reduce(MIN)`` of one int64 element (8 bytes)."""
+    def all_reduce_and(self, value: int) -> int:
+        """One ``all_reduce(BAND)`` of one int64 element (8 bytes): the reuse status word."""
         t = torch.tensor([value], dtype=torch.int64)
         t0 = time.perf_counter()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.BAND, group=self.group)
         self._record("all_reduce", t.numel() * t.element_size(), t0)
         return int(t.item())
 

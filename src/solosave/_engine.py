@@ -12,11 +12,19 @@ rank received, and the values the collectives return). Per mode:
 ``CACHED`` (``assume_constant_structure`` after two identical global plans)
     write the cached assignment -> gather write results -> publish -> broadcast the outcome.
 ``REUSE`` (prepared metadata)
-    write in the prepared layout -> local layout guard -> **one all_reduce(MIN)** of the status
-    (0 failed / 1 drifted / 2 ok) -> on 2 the coordinator publishes the prepared metadata with
-    this checkpoint's ``storage_meta``. On 0 every rank all-gathers the errors (failure path
-    only); on 1 with ``"raise"`` every rank all-gathers the drifts; with ``"fallback"`` every
-    rank runs the collective path for this save and the prepared metadata is refreshed.
+    write in the prepared layout -> local layout guard -> **one 8-byte all_reduce** of the
+    status (failed / drifted / ok) and of the save's identity (see :func:`encode_status`) -> if
+    every rank is ok, the coordinator publishes the prepared metadata with this checkpoint's
+    ``storage_meta``. On "failed" every rank all-gathers the errors (failure path only); on
+    "drifted" with ``"raise"`` every rank all-gathers the drifts; with ``"fallback"`` every rank
+    runs the collective path for this save and the prepared metadata is refreshed.
+
+Failures of the channel itself (a peer's worker or process died, a collective timed out) and
+ranks found *out of step* (the ranks' engines are running different saves, because a ``save()``
+raised on some ranks only) publish nothing and leave the engine **broken**: every later job
+fails at once, without a collective, with the reason, because a channel in that state can pair
+one save's collectives with another's. The checkpointer must be closed and recreated on every
+rank.
 """
 
 from __future__ import annotations
@@ -53,6 +61,37 @@ from ._stage import SegmentReader, StagedItem, StagedSave
 from ._write import FileWriter, Record, WriteResult, bytes_slot
 
 STATUS_FAILED, STATUS_DRIFT, STATUS_OK = 0, 1, 2
+
+# The reuse status word (one int64, reduced with bitwise AND): bits 0-1 the status as a
+# thermometer code (so AND is MIN), bits 2-31 a 30-bit identity of the save, bits 32-61 its
+# complement. If every rank ran the same save, the AND gives back the identity and its exact
+# complement; if any two ranks differ in any identity bit, that bit is 0 in both halves, which
+# every rank sees (the reduced value is the same everywhere).
+_STATUS_CODE = {STATUS_FAILED: 0b00, STATUS_DRIFT: 0b01, STATUS_OK: 0b11}
+_CODE_STATUS = {v: k for k, v in _STATUS_CODE.items()}
+_ID_BITS = 30
+_ID_MASK = (1 << _ID_BITS) - 1
+
+
+def save_identity(job: SaveJob) -> int:
+    """A 30-bit identity of one save, equal on every rank that runs it (sequence number and
+    directory, which every rank passes alike)."""
+    digest = hashlib.blake2b(f"{job.seq}\0{job.directory}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _ID_MASK
+
+
+def encode_status(status: int, identity: int) -> int:
+    return _STATUS_CODE[status] | (identity << 2) | ((~identity & _ID_MASK) << (2 + _ID_BITS))
+
+
+def decode_status(word: int, identity: int) -> int | None:
+    """The agreed status, or ``None`` if the ranks were not all running save ``identity``."""
+    ident = (word >> 2) & _ID_MASK
+    complement = (word >> (2 + _ID_BITS)) & _ID_MASK
+    code = word & 0b11
+    if ident != identity or complement != (~identity & _ID_MASK) or code not in _CODE_STATUS:
+        return None
+    return _CODE_STATUS[code]
 
 
 class Mode(str, enum.Enum):
@@ -114,6 +153,14 @@ class _CoordinationError(Exception):
     pass
 
 
+class _OutOfStep(Exception):
+    """The ranks' engines are not running the same save."""
+
+
+_RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
+             "AsyncCheckpointer on every rank")
+
+
 @dataclass
 class _Cache:
     """Engine-side state for ``assume_constant_structure`` (owned by one Engine)."""
@@ -144,6 +191,8 @@ class Engine:
         self.cache = _Cache()
         self._prepared: tuple[int, PreparedMetadata] | None = None
         self._warnings: list[str] = []
+        #: Why the channel cannot be used any more (a collective failed, ranks out of step).
+        self.broken: str | None = None
 
     def close(self) -> None:
         self.reader.close()
@@ -152,6 +201,9 @@ class Engine:
     def run(self, job: SaveJob) -> JobOutcome:
         mark = self.channel.counter.mark()
         timings: dict[str, float] = defaultdict(float)
+        if self.broken is not None:
+            return JobOutcome(job.seq, False, job.mode.value, failures={self.rank: self.broken},
+                              error_kind="coordination", finished_at=time.time())
         if job.staged.cuda_event is not None:  # pragma: no cover - CUDA only
             job.staged.cuda_event.synchronize()
         try:
@@ -161,9 +213,18 @@ class Engine:
                 out = self._cached(job, timings)
             else:
                 out = self._collective(job, timings)
+        except _OutOfStep as e:
+            self.cache = _Cache()
+            self.broken = (f"not published: the ranks are out of step ({e}); a save() raised on "
+                           f"some ranks but not on others, or timed out on some; {_RECREATE}")
+            out = JobOutcome(job.seq, False, job.mode.value, failures={self.rank: self.broken},
+                             error_kind="coordination")
         except Exception as e:  # noqa: BLE001 - a collective failed (peer died, timeout)
             self.cache = _Cache()
-            out = JobOutcome(job.seq, False, job.mode.value, failures={self.rank: _describe(e)},
+            self.broken = (f"the background channel failed on this rank during the save to "
+                           f"{job.directory} ({_describe(e)}): another rank's process or worker "
+                           f"died, or did not answer within the timeout; {_RECREATE}")
+            out = JobOutcome(job.seq, False, job.mode.value, failures={self.rank: self.broken},
                              error_kind="coordination")
         calls = tuple(self.channel.counter.since(mark))
         if self._warnings:
@@ -219,13 +280,15 @@ class Engine:
         ch = self.channel
         staged = {it.spec.key: it for it in job.staged.items}
         local = ([s.compact() for s in job.held], list(staged), job.planner_data,
-                 prewritten, list(drifts))
+                 prewritten, list(drifts), save_identity(job))
         gathered = ch.gather_object(local)
         decisions: list[Any] | None = None
         if ch.is_coordinator:
             assert gathered is not None  # noqa: S101
-            decisions = self._global_plan(gathered)
+            decisions = _same_save(gathered, 5, job) or self._global_plan(gathered)
         mine = ch.scatter_object(decisions)
+        if mine[0] == "out_of_step":
+            raise _OutOfStep(mine[1])
         if mine[0] == "error":
             return JobOutcome(job.seq, False, "collective", failures={ch.coordinator: mine[1]},
                               error_kind="failed")
@@ -356,16 +419,21 @@ class Engine:
                 results = self._write(job, files, pad, timings)
             except Exception as e:  # noqa: BLE001
                 err = _describe(e)
-        gathered = ch.gather_object((job.structure_hash, results, err, changed))
+        gathered = ch.gather_object((job.structure_hash, results, err, changed, save_identity(job)))
         message = None
         if ch.is_coordinator:
             assert gathered is not None  # noqa: S101
-            if any(g[3] for g in gathered):
+            out_of_step = _same_save(gathered, 4, job)
+            if out_of_step:
+                message = ("out_of_step", out_of_step[0][1])
+            elif any(g[3] for g in gathered):
                 message = ("replan", {})
             else:
                 fin = self._finish_collective(job, [(g[1], g[2]) for g in gathered], timings)
                 message = ("done", fin)
         kind, payload = ch.broadcast_object(message)
+        if kind == "out_of_step":
+            raise _OutOfStep(payload)
         if kind == "replan":
             return self._collective(job, timings)
         failures, _, published = payload
@@ -402,7 +470,11 @@ class Engine:
                 status = STATUS_DRIFT if drifts else STATUS_OK
             except Exception as e:  # noqa: BLE001 - becomes status 0 on every rank
                 status, err = STATUS_FAILED, _describe(e)
-        agreed = ch.all_reduce_min(status)
+        identity = save_identity(job)
+        agreed = decode_status(ch.all_reduce_and(encode_status(status, identity)), identity)
+        if agreed is None:
+            raise _OutOfStep(f"this rank's save {job.seq} to {job.directory} met a different save "
+                             "of another rank in the status all_reduce")
         if agreed == STATUS_OK:
             published = None
             failures: dict[int, str] = {}
@@ -426,6 +498,16 @@ class Engine:
                               drifts={r: d for r, d in enumerate(reports) if d})
         prewritten = results if status != STATUS_FAILED and not job.local_drift else None
         return self._collective(job, timings, prewritten=prewritten, drifts=tuple(drifts), fallback=True)
+
+
+def _same_save(gathered: list[Any], at: int, job: SaveJob) -> list[Any] | None:
+    """Coordinator: ``None`` if every rank's gathered tuple carries this save's identity at
+    index ``at``; else an "out of step" decision for every rank."""
+    mine = save_identity(job)
+    if all(len(g) > at and g[at] == mine for g in gathered):
+        return None
+    return [("out_of_step", f"the coordinator's save {job.seq} to {job.directory} met a "
+             "different save of another rank in the planning gather")] * len(gathered)
 
 
 def _key(k: Any) -> ItemKey:

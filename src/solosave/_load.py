@@ -66,9 +66,13 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
         dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=planner,
                  process_group=process_group, no_dist=not (dist.is_available() and dist.is_initialized()))
     except CheckpointException as e:
-        # DCP wraps each rank's exception; surface ours (the same on every rank) unwrapped.
-        for failure in e.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, (CorruptCheckpointError, PreparedMetadataError)):
-                raise inner from e
+        # DCP wraps each rank's exception in a BaseException; re-raise the underlying one (ours
+        # first: they are the same on every rank) so that ``except Exception`` sees it.
+        inner = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        for exc in inner:
+            if isinstance(exc, (CorruptCheckpointError, PreparedMetadataError)):
+                raise exc from e
+        for exc in inner:
+            if isinstance(exc, Exception):
+                raise exc from e
         raise

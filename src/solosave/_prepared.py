@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ._errors import FingerprintMismatchError, PreparedMetadataError
-from ._layout import PlacedItem, index_key, parse_file_name, storage_index
+from ._layout import PlacedItem, gc_paused, index_key, parse_file_name, storage_index
 from ._plan import ItemKey, ItemKind, ItemSpec, dtype_name
 from ._publish import METADATA_FILE, MetadataTemplate, atomic_write
 from ._safe_pickle import safe_loads
@@ -69,9 +69,10 @@ def metadata_structure_hash(md: Metadata) -> str:
             h.update(repr((fqn, str(m.properties.dtype), tuple(m.size), chunks)).encode())
         else:
             h.update(repr((fqn, "bytes")).encode())
-    rows = sorted((index_key(k)[0], index_key(k)[1] or (), v.relative_path, v.offset, v.length)
-                  for k, v in (md.storage_data or {}).items())
-    h.update(repr(rows).encode())
+    with gc_paused():
+        rows = sorted((k.fqn, tuple(k.offset) if k.offset is not None else (), v.relative_path, v.offset,
+                       v.length) for k, v in (md.storage_data or {}).items())
+        h.update(repr(rows).encode())
     return h.hexdigest()[:32]
 
 
@@ -100,6 +101,10 @@ class PreparedMetadata:
         init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        with gc_paused():
+            self._index()
+
+    def _index(self) -> None:
         if not isinstance(self.metadata, Metadata):
             raise PreparedMetadataError(
                 f"{self.source}: expected a torch.distributed.checkpoint Metadata, got "
@@ -226,7 +231,8 @@ def load_prepared_metadata(path: str | os.PathLike) -> PreparedMetadata:
         return _parse_prepared(p, data)
     if not data:
         raise PreparedMetadataError(f"{p}: file is empty")
-    md = safe_loads(data, what=str(p))
+    with gc_paused():
+        md = safe_loads(data, what=str(p))
     if not isinstance(md, Metadata):
         raise PreparedMetadataError(f"{p}: holds a {type(md).__name__}, not a DCP Metadata")
     _infer_world_workers(md)  # validates the data file names
@@ -247,7 +253,8 @@ def _parse_prepared(p: Path, data: bytes) -> PreparedMetadata:
         raise FingerprintMismatchError(
             f"{p}: prepared-metadata format version {version}; this solosave reads "
             f"{FORMAT_VERSION}. Recreate it with create_prepared_metadata=True")
-    md = safe_loads(payload, what=str(p))
+    with gc_paused():
+        md = safe_loads(payload, what=str(p))
     if not isinstance(md, Metadata):
         raise PreparedMetadataError(f"{p}: holds a {type(md).__name__}, not a DCP Metadata")
     try:

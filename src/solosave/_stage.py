@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import uuid
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import torch
@@ -214,7 +215,11 @@ class SegmentReader:
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
-    # A spawned worker shares its trainer's resource tracker, so attaching registers a name the
-    # tracker already knows; the trainer unlinks it on close (or the tracker does, if the
-    # trainer dies first).
-    return shared_memory.SharedMemory(name=name, create=False)
+    """Attach to a trainer's segment without taking ownership: the trainer (or, if it dies, its
+    resource tracker) unlinks it. The worker is its own interpreter with its own tracker, which
+    must not unlink - or warn about - segments it merely reads."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, create=False, track=False)
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm

@@ -1,28 +1,30 @@
 """Where the background runs: a persistent worker process per rank, or a thread.
 
 Both transports have the same surface, used only by the trainer-side checkpointer:
-``submit(job)`` (never blocks), ``poll(timeout) -> JobOutcome | None`` (bounded; raises
+``submit(job)`` (hands the job over; the worker is idle then, as the checkpointer has already
+collected the previous outcome), ``poll(timeout) -> JobOutcome | None`` (bounded; raises
 :class:`WorkerDiedError` if the worker is gone), ``close(timeout)``.
 
-The worker process (``torch.multiprocessing`` *spawn*) joins a rendezvous ``TCPStore`` that the
-coordinator's trainer serves, forms its own gloo process group under a ``PrefixStore`` (the
-channel), builds an :class:`~solosave._engine.Engine` and then runs jobs until told to stop. It is
-reused by every save of the checkpointer; a dead worker is detected by polling its liveness
-between short queue waits, so no wait is unbounded.
+The worker process (a fresh interpreter: ``python -m solosave._worker_entry``) joins a
+rendezvous ``TCPStore`` that the coordinator's trainer serves, forms its own gloo process group
+under a ``PrefixStore`` (the channel), builds an :class:`~solosave._engine.Engine` and then runs
+jobs until told to stop. It is reused by every save of the checkpointer; a dead worker is
+detected by polling its liveness between short waits on the pipe, so no wait is unbounded.
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
-
-import torch.multiprocessing as mp
+from multiprocessing.connection import Connection
 
 from ._coordinate import Channel, CollectiveCounter
 from ._engine import Engine, JobOutcome, SaveJob
@@ -44,29 +46,35 @@ class ChannelSpec:
     timeout_s: float
 
 
-def _worker_main(spec: ChannelSpec, workers: int, writer: FileWriter | None,
-                 jobs: Any, outcomes: Any) -> None:
-    """Entry point of the worker process (module-level so that *spawn* can import it)."""
+def _worker_main(conn: Connection) -> None:
+    """Body of the worker process: read its set-up, form the channel, then run jobs until told
+    to stop (``None``) or until the trainer is gone (end of file on the pipe)."""
     import torch.distributed as dist
 
     engine = None
+    _exit_with_trainer(os.getppid())
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        spec, workers, writer = conn.recv()
+        multiprocessing.current_process().name = f"solosave-worker-{spec.rank}"  # for logs
         store = dist.TCPStore(spec.host, spec.port, is_master=False,
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
         dist.init_process_group("gloo", store=dist.PrefixStore(spec.prefix, store),
                                 rank=spec.rank, world_size=spec.world_size,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
         engine = Engine(Channel(None, CollectiveCounter()), workers, writer)
-        outcomes.put(("ready", os.getpid()))
+        conn.send(("ready", os.getpid()))
         while True:
-            job = jobs.get()
+            try:
+                job = conn.recv()
+            except EOFError:  # the trainer exited without close(): nothing left to do
+                break
             if job is None:
                 break
-            outcomes.put(("outcome", engine.run(job)))
+            conn.send(("outcome", engine.run(job)))
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, then exit
         try:
-            outcomes.put(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            conn.send(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         except Exception:  # noqa: BLE001,S110
             pass
     finally:
@@ -79,43 +87,87 @@ def _worker_main(spec: ChannelSpec, workers: int, writer: FileWriter | None,
             pass
 
 
+def _exit_with_trainer(trainer_pid: int, interval: float = 0.2) -> None:
+    """End this worker process at once when its trainer is gone, even in the middle of a job
+    (an end of file on the pipe is only seen between jobs): a dead rank's worker must not go on
+    writing, or keep its peers waiting in a collective until their timeout. The files it left
+    are never published (``.metadata`` is written last, by a live coordinator)."""
+    def watch() -> None:
+        while os.getppid() == trainer_pid:
+            time.sleep(interval)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="solosave-trainer-watch", daemon=True).start()
+
+
 class ProcessTransport:
-    """A persistent spawned worker process for one rank."""
+    """A persistent worker process for one rank.
+
+    The worker is a fresh interpreter running ``python -m solosave._worker_entry <fd>``, connected to
+    the trainer by a duplex pipe (one end passed as file descriptor ``fd``). Unlike a
+    ``multiprocessing`` *spawn* child it does not re-import the trainer's main script, so a
+    training script without an ``if __name__ == "__main__":`` guard works; it sees the trainer's
+    ``sys.path`` (appended to ``PYTHONPATH``) and environment. Messages are pickled objects: the
+    set-up ``(spec, workers, writer)``, then jobs (``None`` stops it); the worker answers
+    ``("ready", pid)``, ``("outcome", JobOutcome)`` or ``("fatal", text)``.
+    """
 
     def __init__(self, spec: ChannelSpec, workers: int, writer: FileWriter | None) -> None:
-        ctx = mp.get_context("spawn")
-        self._jobs = ctx.Queue()
-        self._outcomes = ctx.Queue()
-        self.process = ctx.Process(target=_worker_main, name=f"solosave-worker-{spec.rank}",
-                                   args=(spec, workers, writer, self._jobs, self._outcomes),
-                                   daemon=True)
-        self.process.start()
+        ours, theirs = multiprocessing.Pipe(duplex=True)
+        env = dict(os.environ)
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        paths += [p for p in sys.path if p and p not in paths]  # the trainer's imports resolve alike
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        try:
+            self.process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+                [sys.executable, "-m", "solosave._worker_entry", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=env, close_fds=True)
+        finally:
+            theirs.close()
+        self._conn = ours
         self.pid = self.process.pid
         self.ready = False
         self._fatal: str | None = None
+        #: Outcomes read by ``close()`` after the trainer stopped waiting.
+        self.leftover: list[JobOutcome] = []
+        self._conn.send((spec, workers, writer))
 
     def submit(self, job: SaveJob) -> None:
         self._check_alive()
-        self._jobs.put(job)
+        try:
+            self._conn.send(job)
+        except OSError as e:  # broken pipe: the worker is gone
+            self._check_alive()
+            raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) is unreachable: {e}") from e
 
     def _check_alive(self) -> None:
         if self._fatal is not None:
             raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) failed: {self._fatal}")
-        if not self.process.is_alive():
+        code = self.process.poll()
+        if code is not None:
             raise WorkerDiedError(
-                f"the solosave worker process (pid {self.pid}) exited with code "
-                f"{self.process.exitcode}; this checkpointer cannot save any more, create a new one")
+                f"the solosave worker process (pid {self.pid}) exited with code {code}; this "
+                "checkpointer cannot save any more, create a new one")
 
     def poll(self, timeout: float) -> JobOutcome | None:
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             try:
-                kind, payload = self._outcomes.get(timeout=min(_POLL, max(deadline - time.monotonic(), 0.0)) or 0.001)
-            except queue.Empty:
+                ready = self._conn.poll(min(_POLL, max(deadline - time.monotonic(), 0.0)))
+                msg = self._conn.recv() if ready else None
+            except (EOFError, OSError):
+                try:
+                    self.process.wait(1.0)  # let it finish exiting, to report its exit code
+                except subprocess.TimeoutExpired:
+                    pass
+                self._check_alive()
+                raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) closed its pipe") from None
+            if msg is None:
                 self._check_alive()
                 if time.monotonic() >= deadline:
                     return None
                 continue
+            kind, payload = msg
             if kind == "ready":
                 self.ready = True
                 continue
@@ -125,21 +177,30 @@ class ProcessTransport:
             return payload
 
     def close(self, timeout: float) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             try:
-                self._jobs.put(None)
-            except Exception:  # noqa: BLE001,S110
+                self._conn.send(None)
+            except OSError:
                 pass
-            self.process.join(timeout)
-        if self.process.is_alive():
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process.poll() is None:
             self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():  # pragma: no cover - last resort
-            self.process.kill()
-            self.process.join(5)
-        for q in (self._jobs, self._outcomes):
-            q.close()
-            q.join_thread()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:  # pragma: no cover - last resort
+                self.process.kill()
+                self.process.wait(5)
+        try:  # an outcome that arrived while the worker was stopping (see AsyncCheckpointer.close)
+            while self._conn.poll(0):
+                kind, payload = self._conn.recv()
+                if kind == "outcome":
+                    self.leftover.append(payload)
+        except (EOFError, OSError):
+            pass
+        self._conn.close()
 
 
 class ThreadTransport:
@@ -183,3 +244,4 @@ class ThreadTransport:
         if self._thread.is_alive():
             raise SaveTimeoutError(f"the solosave background thread did not stop within {timeout} s")
         self.engine.close()
+

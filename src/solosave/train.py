@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         codes = sorted({f.exitcode for f in getattr(e, "failures", {}).values()})
         print(f"solosave train failed: a rank exited with code {codes or '?'} (its error is above)",
               file=sys.stderr)
-        return 2 if codes == [2] else 1
+        return 2 if 2 in codes else 1  # 2: a user error (other ranks may have been stopped)
     print(f"training finished in {time.perf_counter() - t0:.1f} s" +
           (f"; checkpoints in {args.save}" if args.save else ""))
     return 0

@@ -1,0 +1,123 @@
+"""``python -m benchmarks``: the save benchmark and the scale simulation, one command.
+
+See ``benchmarks/__init__.py`` for what is measured and ``docs/benchmarks.md`` for results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import report as rep
+from .progress import Progress
+from .save_modes import MODES, MiB, run_save_bench
+from .scale import run_scale, scale_steps
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=(
+        "solosave vs torch.distributed.checkpoint: saves on local ranks side by side, physical "
+        "limits, and a scale simulation of the coordinator's work up to W=16384."))
+    p.add_argument("--only", choices=("all", "save", "scale"), default="all", help="which part to run")
+    p.add_argument("--total-mib", type=int, default=256, help="state size over all ranks (default 256)")
+    p.add_argument("--count", type=int, default=64, help="fp32 tensors over all ranks (default 64)")
+    p.add_argument("--world-sizes", default="2,4", help="comma-separated (default 2,4)")
+    p.add_argument("--saves", type=int, default=8, help="consecutive saves per mode (default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="first saves reported separately (default 2)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ",".join(MODES))
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (default 600)")
+    p.add_argument("--scale-max-w", type=int, default=16384, help="largest simulated world size (default 16384)")
+    p.add_argument("--dcp-max-w", type=int, default=4096,
+                   help="largest world size simulated for stock DCP (default 4096; it takes minutes there)")
+    p.add_argument("--scale-workers", type=int, default=1, help="files per rank in the simulation (default 1)")
+    p.add_argument("--scale-layers", type=int, default=22, help="layers of the simulated model (22: 200 tensors)")
+    p.add_argument("--out", default="bench-out", help="scratch + report directory (default bench-out)")
+    p.add_argument("--plots", default=None, help="directory for the PNGs (default <out>)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 64 MiB, 16 tensors, 4 saves, world 2; scale up to W=256")
+    return p
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    model = ""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.cuda.is_available(), "loadavg_start": os.getloadavg()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.quick:
+        args.total_mib, args.count, args.saves, args.world_sizes = 64, 16, 4, "2"
+        args.scale_max_w, args.dcp_max_w = min(args.scale_max_w, 256), min(args.dcp_max_w, 256)
+    world_sizes = [int(w) for w in args.world_sizes.split(",") if w]
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    for ws in world_sizes:
+        if args.count % ws:
+            raise SystemExit(f"--count {args.count} is not divisible by world size {ws}")
+    if (args.total_mib * MiB) % (args.count * 4):
+        raise SystemExit("--total-mib * MiB must be a multiple of 4 * --count")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    plots = Path(args.plots).resolve() if args.plots else out
+    plots.mkdir(parents=True, exist_ok=True)
+
+    save_cfg = {"total_mib": args.total_mib, "count": args.count, "saves": args.saves,
+                "warmup": min(args.warmup, args.saves), "timeout": args.timeout, "memcpy_reps": 3,
+                "write_reps": 2, "world_sizes": world_sizes, "modes": modes}
+    scale_cfg = {"max_w": args.scale_max_w, "dcp_max_w": args.dcp_max_w, "workers": args.scale_workers,
+                 "layers": args.scale_layers, "scratch": str(out)}
+    steps = 0
+    if args.only in ("all", "save"):
+        steps += len(world_sizes) * (1 + len(modes))
+    if args.only in ("all", "scale"):
+        steps += scale_steps(scale_cfg)
+    progress = Progress(steps)
+    report: dict[str, Any] = {"command": " ".join(["python -m benchmarks"] + (argv if argv is not None else sys.argv[1:])),
+                              "machine": _machine()}
+    t0 = time.perf_counter()
+    if args.only in ("all", "save"):
+        report["save"] = run_save_bench(save_cfg, out, progress)
+    if args.only in ("all", "scale"):
+        report["scale"] = run_scale(scale_cfg, progress)
+    progress.finish()
+    report["wall_s"] = time.perf_counter() - t0
+    report["machine"]["loadavg_end"] = os.getloadavg()
+
+    files: list[Path] = []
+    if "save" in report:
+        rep.print_save(report["save"])
+        files += rep.plot_save(report["save"], plots)
+    if "scale" in report:
+        rep.print_scale(report["scale"])
+        files += rep.plot_scale(report["scale"], plots)
+    json_path = out / "benchmarks.json"
+    json_path.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
+    la = report["machine"]
+    print(f"\nwall time {report['wall_s']:.0f} s on {la['cpus']} CPUs ({la['cpu_model']}); load average "
+          f"(1 min) {la['loadavg_start'][0]:.2f} at start, {la['loadavg_end'][0]:.2f} at end")
+    print(f"report: {json_path}; plots: {', '.join(str(f) for f in files)}")
+    failed = any("error" in m for e in report.get("save", {}).get("world_sizes", {}).values()
+                 for m in e["modes"].values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

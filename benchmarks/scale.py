@@ -1,0 +1,428 @@
+"""The scale simulation: what grows with the world size, measured in one process.
+
+We cannot run thousands of ranks here, so this module builds, for W simulated ranks, exactly
+the objects each rank would send on a save and runs the coordinator's real code on them.
+
+**Structure** (``llama_like``): a Llama-7B-like model of 200 fp32 tensors (embedding
+[32000, 4096]; 22 layers of q/k/v/o [4096, 4096], gate/up [11008, 4096], down [4096, 11008] and
+two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1-D FSDP
+``DTensor`` with ``Shard(0)`` is (ceil-sized chunks; trailing ranks may hold empty chunks),
+``workers`` files per rank. The state of rank r is ``{"model": {name: shard}}``.
+
+**What is measured** (wall time in this process, ``time.perf_counter``; sizes with ``pickle``):
+
+* stock DCP (torch's own code): each rank's ``SavePlan`` from
+  ``DefaultSavePlanner.set_up_planner`` + ``create_local_plan`` +
+  ``FileSystemWriter.prepare_local_plan`` (the shards are stand-ins implementing the
+  ``__create_write_items__`` protocol with the items a ``DTensor`` creates), pickled as
+  ``gather_object`` pickles it; the coordinator: unpickling W plans, ``create_global_plan``
+  (dedup, global plan, ``_validate_global_plan``) + ``prepare_global_plan``, pickling the W
+  scattered plans, unpickling W write-result lists (``WriteResult`` with ``_StorageInfo``),
+  ``FileSystemWriter.finish`` (builds ``storage_data``, pickles and writes ``.metadata`` with
+  fsync), and pickling the ``Metadata`` that ``_DistWrapper.all_reduce`` broadcasts to every rank.
+* solosave, collective path (solosave's own code): each rank's gather payload (the tuple
+  ``Engine._collective`` sends: compact specs, staged keys, flatten mapping), the coordinator's
+  unpickling, ``Engine._global_plan`` (merge, ``build_state_dict_metadata`` with
+  ``validate_chunks``, ``assign_writers``), pickling the scattered decisions, unpickling the write
+  results (``bucket_items`` layout), ``Engine._finish_collective`` (``check_results_cover``,
+  ``build_metadata``, ``MetadataTemplate``, atomic ``.metadata`` write with fsync).
+* solosave, reuse path: ``MetadataTemplate`` construction (once per prepared metadata),
+  then per save ``render`` + ``publish_metadata`` (atomic write, fsync); per rank per save
+  ``AsyncCheckpointer._choose`` (local planning from ``PreparedMetadata.rank_files``) +
+  ``check_layout`` (the layout guard); once per rank ``PreparedMetadata`` indexing.
+* loading: ``pickle.loads`` of ``.metadata`` (what every loading rank's ``FileSystemReader`` does)
+  and solosave's allowlisted ``safe_loads``.
+
+**What is modelled, not measured**: the network (no bytes move; gathered bytes are reported, not
+timed), the reuse path's one 1-element ``all_reduce`` (``REDUCE_MODEL_S`` per tree level,
+``ceil(log2 W)`` levels), and the record lengths in the files (tensor bytes + a fixed
+``torch.save`` overhead measured once). Every rank's payload is built and pickled for real.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import pickle
+import shutil
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+Json = dict[str, Any]
+
+#: Modelled latency of one tree level of a 1-element all_reduce (50 us: a fast network hop).
+REDUCE_MODEL_S = 50e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# The structure
+# ---------------------------------------------------------------------------------------------
+
+def llama_like(layers: int = 22, hidden: int = 4096, ffn: int = 11008, vocab: int = 32000
+               ) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of a Llama-7B-like model: ``2 + 9 * layers`` tensors (200 for 22)."""
+    out = [("embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (hidden, hidden)),
+                (p + "self_attn.k_proj.weight", (hidden, hidden)),
+                (p + "self_attn.v_proj.weight", (hidden, hidden)),
+                (p + "self_attn.o_proj.weight", (hidden, hidden)),
+                (p + "mlp.gate_proj.weight", (ffn, hidden)),
+                (p + "mlp.up_proj.weight", (ffn, hidden)),
+                (p + "mlp.down_proj.weight", (hidden, ffn)),
+                (p + "input_layernorm.weight", (hidden,)),
+                (p + "post_attention_layernorm.weight", (hidden,))]
+    out.append(("norm.weight", (hidden,)))
+    return out
+
+
+def shard_dim0(shape: tuple[int, ...], world: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Offsets and sizes of rank ``rank``'s ``Shard(0)`` chunk (DTensor's ceil rule)."""
+    chunk = -(-shape[0] // world)
+    start = min(rank * chunk, shape[0])
+    size = max(0, min(chunk, shape[0] - start))
+    return (start,) + (0,) * (len(shape) - 1), (size,) + tuple(shape[1:])
+
+
+_RECORD_OVERHEAD: int | None = None
+
+
+def record_overhead() -> int:
+    """Bytes a ``torch.save`` record adds to a tensor's data (measured once, small tensor)."""
+    global _RECORD_OVERHEAD  # a memo of a constant of this torch build, not state
+    if _RECORD_OVERHEAD is None:
+        import io
+
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(torch.zeros(1024, dtype=torch.float32), buf)
+        _RECORD_OVERHEAD = len(buf.getvalue()) - 4096
+    return _RECORD_OVERHEAD
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# solosave
+# ---------------------------------------------------------------------------------------------
+
+def solosave_rank_specs(structure: list[tuple[str, tuple[int, ...]]], world: int, rank: int) -> list:
+    from solosave._plan import ItemKind, ItemSpec
+
+    specs = []
+    for name, shape in structure:
+        off, sz = shard_dim0(shape, world, rank)
+        specs.append(ItemSpec("model." + name, ItemKind.TENSOR, off, sz, shape, "float32",
+                              4 * math.prod(sz), True))
+    specs.sort(key=lambda s: s.fqn)
+    return specs
+
+
+def solosave_plan_payload(specs: list) -> bytes:
+    """One rank's planning payload: the tuple ``Engine._collective`` gathers (compact specs,
+    staged keys, flatten mapping, no pre-written results, no drifts), pickled as ``Channel``
+    pickles it."""
+    planner_data = {s.fqn: ("model", s.fqn[len("model."):]) for s in specs}
+    local = ([s.compact() for s in specs], [s.key for s in specs], planner_data, None, [])
+    return pickle.dumps(local, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def solosave_results(specs: list, rank: int, workers: int) -> list:
+    """The write results ``FileWriter`` reports for ``specs`` (the items assigned to ``rank``):
+    ``bucket_items`` decides files and order; lengths are modelled (see module docstring)."""
+    from solosave._layout import bucket_items, file_name
+
+    over = record_overhead()
+    results = []
+    for n, bucket in enumerate(bucket_items(specs, workers)):
+        off = 0
+        for s in bucket:
+            length = s.nbytes + over
+            results.append((s.key, file_name(rank, n), off, length))
+            off += length
+    return results
+
+
+def _fake_engine(world: int, workers: int) -> Any:
+    """An ``Engine`` without a channel: only what ``_global_plan`` / ``_finish_collective`` use."""
+    from solosave._engine import Engine, _Cache
+    from solosave._write import FileWriter
+
+    e = Engine.__new__(Engine)
+    e.rank, e.world_size, e.workers = 0, world, workers
+    e.writer = FileWriter(fsync=True)
+    e.cache = _Cache()
+    e._warnings = []
+    return e
+
+
+def simulate_solosave(structure: list, world: int, workers: int, directory: str,
+                      per_rank_sample: int = 3) -> Json:
+    """The collective path's coordinator work and the reuse path's, at world size ``world``."""
+    from solosave._checkpointer import AsyncCheckpointer
+    from solosave._engine import Mode
+    from solosave._layout import check_layout, validate_chunks
+    from solosave._plan import LocalPlan
+    from solosave._prepared import PreparedMetadata
+    from solosave._publish import MetadataTemplate, publish_metadata
+    from solosave._safe_pickle import safe_loads
+
+    out: Json = {"world": world}
+    t0 = time.perf_counter()
+    plan_payloads = [solosave_plan_payload(solosave_rank_specs(structure, world, r)) for r in range(world)]
+    out["build_rank_payloads_s"] = time.perf_counter() - t0
+    out["plan_bytes_per_rank"] = statistics.median(map(len, plan_payloads))
+    out["plan_bytes_gathered"] = sum(map(len, plan_payloads))
+
+    engine = _fake_engine(world, workers)
+    gathered, out["t_unpickle_plans"] = _timed(lambda: [pickle.loads(b) for b in plan_payloads])
+    del plan_payloads
+    decisions, out["t_global_plan"] = _timed(lambda: engine._global_plan(gathered))
+    if decisions[0][0] != "ok":
+        raise RuntimeError(f"solosave global plan failed at W={world}: {decisions[0][1]}")
+    del gathered
+    sdm = engine.cache.state_dict_metadata
+    _, out["t_validate_chunks_only"] = _timed(lambda: [
+        validate_chunks(f, tuple(m.size), [(tuple(c.offsets), tuple(c.sizes)) for c in m.chunks])
+        for f, m in sdm.items()])
+    scattered, out["t_scatter_pickle"] = _timed(
+        lambda: [pickle.dumps(d, protocol=pickle.HIGHEST_PROTOCOL) for d in decisions])
+    out["scatter_bytes"] = sum(map(len, scattered))
+    del scattered
+
+    # Every rank writes the items the coordinator assigned to it (empty trailing chunks have the
+    # same key on several ranks: like replicated items, one of them writes).
+    sample_ranks = sorted({0, world // 2, world - 1})
+    samples: dict[int, tuple[list, list]] = {}
+    result_payloads = []
+    for r in range(world):
+        keys = set(decisions[r][1])
+        specs = [s for s in solosave_rank_specs(structure, world, r) if s.key in keys]
+        results = solosave_results(specs, r, workers)
+        result_payloads.append(pickle.dumps((results, None), protocol=pickle.HIGHEST_PROTOCOL))
+        if r in sample_ranks:
+            samples[r] = (specs, results)
+    del decisions
+    out["result_bytes_per_rank"] = statistics.median(map(len, result_payloads))
+    out["result_bytes_gathered"] = sum(map(len, result_payloads))
+    gathered2, out["t_unpickle_results"] = _timed(lambda: [pickle.loads(b) for b in result_payloads])
+    del result_payloads
+    ckpt = os.path.join(directory, f"solosave_w{world}")
+    os.makedirs(ckpt, exist_ok=True)
+    job = SimpleNamespace(directory=ckpt, create_prepared=False, mode=Mode.COLLECTIVE, prepared_path=None)
+    fin, out["t_finish_publish"] = _timed(lambda: engine._finish_collective(job, gathered2, defaultdict(float)))
+    if fin[0]:
+        raise RuntimeError(f"solosave finish failed at W={world}: {fin[0]}")
+    del gathered2, engine, sdm
+    gc.collect()
+    out["coordinator_total_s"] = (out["t_unpickle_plans"] + out["t_global_plan"] + out["t_scatter_pickle"]
+                                  + out["t_unpickle_results"] + out["t_finish_publish"])
+    md_path = os.path.join(ckpt, ".metadata")
+    data = open(md_path, "rb").read()  # noqa: SIM115 - read once
+    out["metadata_bytes"] = len(data)
+
+    # Loading: every loading rank unpickles the whole .metadata.
+    md, out["t_load_unpickle"] = _timed(lambda: pickle.loads(data))
+    _, out["t_load_safe_unpickle"] = _timed(lambda: safe_loads(data, what=md_path))
+
+    # Reuse: once per prepared metadata (every rank indexes it; the coordinator also serializes
+    # the template), then per save.
+    pm, out["t_prepared_index_once"] = _timed(lambda: PreparedMetadata.from_metadata(md, world, workers))
+    tpl, out["t_template_once"] = _timed(lambda: MetadataTemplate(md))
+    del md, data
+    reuse_dir = os.path.join(directory, f"reuse_w{world}")
+    os.makedirs(reuse_dir, exist_ok=True)
+    pubs = []
+    for _ in range(3):
+        _, t = _timed(lambda: publish_metadata(reuse_dir, tpl.render(reuse_dir), fsync=True))
+        pubs.append(t)
+    out["t_reuse_publish"] = statistics.median(pubs)
+    out["reduce_levels"] = math.ceil(math.log2(world)) if world > 1 else 0
+    out["t_reuse_reduce_modelled"] = out["reduce_levels"] * REDUCE_MODEL_S
+    out["reuse_coordinator_s"] = out["t_reuse_publish"] + out["t_reuse_reduce_modelled"]
+
+    per_rank = []
+    for r, (specs, results) in samples.items():
+        plan = LocalPlan(list(specs), {}, {})
+        fake = SimpleNamespace(_prepared=pm, _cache_validated=False, rank=r,
+                               options=SimpleNamespace(assume_constant_structure=False))
+        pm.rank_files(r)
+        reps = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            mode, _stage, layout, drift = AsyncCheckpointer._choose(fake, plan)
+            drifts = check_layout([p for _, items in layout for p in items], results)
+            reps.append(time.perf_counter() - t0)
+            if mode is not Mode.REUSE or drift or drifts:
+                raise RuntimeError(f"reuse planning drifted at W={world} rank {r}: {drift or drifts}")
+        per_rank.append(statistics.median(reps))
+    out["t_reuse_rank_plan_and_guard"] = max(per_rank)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.rmtree(reuse_dir, ignore_errors=True)
+    del pm, tpl
+    gc.collect()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# stock DCP
+# ---------------------------------------------------------------------------------------------
+
+class _SimShard:
+    """A stand-in for one rank's ``DTensor`` shard: implements the checkpoint protocol method
+    ``__create_write_items__`` and returns the ``WriteItem`` a ``Shard(0)`` DTensor creates (see
+    ``torch.distributed.checkpoint.planner_helpers._create_write_items_for_dtensor``)."""
+
+    __slots__ = ("offsets", "sizes", "shape")
+
+    def __init__(self, offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        self.offsets, self.sizes, self.shape = offsets, sizes, shape
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        import torch
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        offsets, sizes = torch.Size(self.offsets), torch.Size(self.sizes)
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                                      properties=TensorProperties(dtype=torch.float32),
+                                                      size=torch.Size(self.shape)))]
+
+
+def dcp_rank_payloads(structure: list, world: int, rank: int, writer: Any) -> tuple[bytes, bytes]:
+    """One rank's pickled ``SavePlan`` and pickled write-result list, built by DCP's code."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    sd = {"model": {name: _SimShard(*shard_dim0(shape, world, rank), shape) for name, shape in structure}}
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(sd, None, rank == 0)
+    plan = writer.prepare_local_plan(planner.create_local_plan())
+    over = record_overhead()
+    results, off = [], 0
+    for item in plan.items:
+        td = item.tensor_data
+        length = 4 * math.prod(td.chunk.sizes) + over
+        results.append(WriteResult(index=MetadataIndex(item.index.fqn, item.index.offset),
+                                   size_in_bytes=length,
+                                   storage_data=_StorageInfo(f"__{rank}_0.distcp", off, length)))
+        off += length
+    return pickle.dumps(plan), pickle.dumps(results)
+
+
+def simulate_dcp(structure: list, world: int, directory: str) -> Json:
+    """Stock DCP's coordinator work at world size ``world`` (torch's own functions)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    out: Json = {"world": world}
+    ckpt = os.path.join(directory, f"dcp_w{world}")
+    os.makedirs(ckpt, exist_ok=True)
+    writer = FileSystemWriter(ckpt)
+    writer.set_up_storage_writer(True)
+    t0 = time.perf_counter()
+    plan_payloads, result_payloads = [], []
+    for r in range(world):
+        p, res = dcp_rank_payloads(structure, world, r, writer)
+        plan_payloads.append(p)
+        result_payloads.append(res)
+    out["build_rank_payloads_s"] = time.perf_counter() - t0
+    out["plan_bytes_per_rank"] = statistics.median(map(len, plan_payloads))
+    out["plan_bytes_gathered"] = sum(map(len, plan_payloads))
+    out["result_bytes_per_rank"] = statistics.median(map(len, result_payloads))
+    out["result_bytes_gathered"] = sum(map(len, result_payloads))
+
+    plans, out["t_unpickle_plans"] = _timed(lambda: [pickle.loads(b) for b in plan_payloads])
+    del plan_payloads
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({}, None, True)
+
+    def global_plan() -> tuple:
+        gp, md = planner.create_global_plan(plans)
+        return writer.prepare_global_plan(gp), md
+
+    (global_plans, metadata), out["t_global_plan"] = _timed(global_plan)
+    del plans
+    scattered, out["t_scatter_pickle"] = _timed(lambda: [pickle.dumps(p) for p in global_plans])
+    out["scatter_bytes"] = sum(map(len, scattered))
+    del scattered, global_plans
+    results, out["t_unpickle_results"] = _timed(lambda: [pickle.loads(b) for b in result_payloads])
+    del result_payloads
+    _, out["t_finish_publish"] = _timed(lambda: writer.finish(metadata, results))
+    del results
+    bcast, out["t_broadcast_pickle"] = _timed(lambda: pickle.dumps(metadata))
+    out["broadcast_bytes"] = len(bcast)
+    del bcast, metadata
+    gc.collect()
+    out["coordinator_total_s"] = (out["t_unpickle_plans"] + out["t_global_plan"] + out["t_scatter_pickle"]
+                                  + out["t_unpickle_results"] + out["t_finish_publish"]
+                                  + out["t_broadcast_pickle"])
+    data = open(os.path.join(ckpt, ".metadata"), "rb").read()  # noqa: SIM115
+    out["metadata_bytes"] = len(data)
+    _, out["t_load_unpickle"] = _timed(lambda: pickle.loads(data))
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+
+def world_sizes(max_w: int, min_w: int = 2) -> list[int]:
+    out, w = [], min_w
+    while w <= max_w:
+        out.append(w)
+        w *= 2
+    return out
+
+
+def run_scale(cfg: Json, progress: Any) -> Json:
+    """``cfg``: ``max_w``, ``dcp_max_w``, ``workers``, ``layers``, ``scratch`` (a directory)."""
+    structure = llama_like(cfg["layers"])
+    report: Json = {"config": {**cfg, "tensors": len(structure),
+                               "reduce_model_s_per_level": REDUCE_MODEL_S,
+                               "record_overhead_bytes": record_overhead()},
+                    "solosave": [], "dcp": []}
+    scratch = tempfile.mkdtemp(prefix="solosave-scale-", dir=cfg.get("scratch"))
+    try:
+        for w in world_sizes(cfg["max_w"]):
+            progress.step(f"scale W={w} solosave")
+            try:
+                report["solosave"].append(simulate_solosave(structure, w, cfg["workers"], scratch))
+            except (RuntimeError, MemoryError, OSError) as e:
+                report.setdefault("errors", []).append(f"solosave W={w}: {type(e).__name__}: {e}")
+                progress.note(report["errors"][-1])
+                break
+            if w <= cfg["dcp_max_w"]:
+                progress.step(f"scale W={w} stock DCP")
+                try:
+                    report["dcp"].append(simulate_dcp(structure, w, scratch))
+                except (RuntimeError, MemoryError, OSError, ValueError) as e:
+                    report.setdefault("errors", []).append(f"DCP W={w}: {type(e).__name__}: {e}")
+                    progress.note(report["errors"][-1])
+            gc.collect()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return report
+
+
+def scale_steps(cfg: Json) -> int:
+    ws = world_sizes(cfg["max_w"])
+    return len(ws) + sum(1 for w in ws if w <= cfg["dcp_max_w"])
+
+
+__all__ = ["llama_like", "run_scale", "shard_dim0", "simulate_dcp", "simulate_solosave", "world_sizes"]
