@@ -374,3 +374,31 @@ def reuse_failure(rank, ws, root):
             return None
         except solosave.CheckpointError as e:
             return sorted(e.failures), str(e), e.__class__.__name__
+
+
+def load_reads_metadata_once(rank, ws, root):
+    """Every rank loads one checkpoint; count who read .metadata from storage."""
+    from solosave import _load
+
+    sd = {"w": torch.arange(8.0), "step": 7}
+    if rank == 0:
+        dcp.save(sd, checkpoint_id=os.path.join(root, "ck"), no_dist=True)
+    dist.barrier()
+    calls = []
+    real = _load.read_metadata_bytes
+    _load.read_metadata_bytes = lambda p: calls.append(p) or real(p)  # test-only counting
+    try:
+        target = {"w": torch.zeros(8), "step": 0}
+        solosave.load(target, os.path.join(root, "ck"))
+        errors = []
+        for missing in ("ck_missing", "partial"):
+            if missing == "partial" and rank == 0:
+                os.makedirs(os.path.join(root, "partial"), exist_ok=True)
+            dist.barrier()
+            try:
+                solosave.load({"w": torch.zeros(8)}, os.path.join(root, missing))
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        _load.read_metadata_bytes = real
+    return {"reads": len(calls), "w": target["w"].tolist(), "step": target["step"], "errors": errors}

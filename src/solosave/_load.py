@@ -1,4 +1,14 @@
-"""Loading: stock DCP loading, with ``.metadata`` read through the allowlisted unpickler."""
+"""Loading: stock DCP loading, with ``.metadata`` read once per process group and unpickled
+through the allowlist.
+
+Who calls what (every rank of ``process_group``, when torch.distributed is initialised):
+:func:`load` -> the coordinator (group rank 0) reads ``.metadata`` from storage and broadcasts
+its bytes (or the reason it could not) in one ``broadcast_object_list`` through
+:class:`~solosave._coordinate.Channel` -> every rank unpickles them (allowlisted) and runs DCP's
+load with a reader that serves them, so storage sees one read of ``.metadata`` per load instead
+of one per rank (at W=4096 that file is about 114 MiB, see docs/benchmarks.md). DCP's load then
+performs its own collectives (a gather of load plans and a scatter, in DCP's code).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +17,11 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from torch.distributed.checkpoint.api import CheckpointException
-
+from ._coordinate import Channel
 from ._errors import CorruptCheckpointError, PreparedMetadataError
 from ._publish import METADATA_FILE
 from ._safe_pickle import safe_loads
@@ -34,15 +44,13 @@ class SafeFileSystemReader(FileSystemReader):
                 "earlier checkpoint; `solosave verify` lists every problem.", problems)
         return super().read_data(plan, planner)
 
+    #: ``.metadata`` bytes read by another rank and broadcast (see :func:`load`); ``None``: read
+    #: the file here.
+    shared_metadata: bytes | None = None
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(os.fspath(self.path), METADATA_FILE)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise PreparedMetadataError(
-                f"{self.path}: no {METADATA_FILE}; this is not a published checkpoint (a failed or "
-                "unfinished save leaves none). Load an earlier checkpoint.") from None
+        data = self.shared_metadata if self.shared_metadata is not None else read_metadata_bytes(self.path)
         md = safe_loads(data, what=path)
         if not isinstance(md, Metadata):
             raise PreparedMetadataError(f"{path}: holds a {type(md).__name__}, not a DCP Metadata")
@@ -52,19 +60,55 @@ class SafeFileSystemReader(FileSystemReader):
         return md
 
 
+def read_metadata_bytes(path: str | os.PathLike) -> bytes:
+    """The bytes of ``<path>/.metadata``; a clear error if the checkpoint is not published."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist")
+    try:
+        with open(os.path.join(os.fspath(path), METADATA_FILE), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise PreparedMetadataError(
+            f"{os.fspath(path)}: no {METADATA_FILE}; this is not a published checkpoint (a failed or "
+            "unfinished save leaves none). Load an earlier checkpoint.") from None
+
+
+def _share_metadata(path: str | os.PathLike, process_group: Any) -> bytes:
+    """Group rank 0 reads ``.metadata``; every rank receives its bytes or raises rank 0's error."""
+    ch = Channel(process_group)
+    payload: tuple[str, Any] | None = None
+    if ch.is_coordinator:
+        try:
+            payload = ("ok", read_metadata_bytes(path))
+        except (OSError, PreparedMetadataError) as e:
+            payload = (type(e).__name__, str(e))
+    kind, value = ch.broadcast_object(payload)
+    if kind == "ok":
+        return value
+    if kind == "FileNotFoundError":
+        raise FileNotFoundError(value)
+    raise PreparedMetadataError(f"{value} (read by rank 0)")
+
+
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: Any = None,
-         planner: Any = None) -> None:
+         planner: Any = None, read_metadata_once: bool = True) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective over
     ``process_group`` when torch.distributed is initialised; one process otherwise).
 
     Resharding works as in DCP: tensors and DTensors receive the chunks they cover, whatever the
-    world size the checkpoint was saved at.
+    world size the checkpoint was saved at. ``read_metadata_once``: group rank 0 reads
+    ``.metadata`` and broadcasts it (one storage read per load); ``False``: every rank reads it,
+    as stock DCP does. Errors are the same on every rank and derive from ``Exception``.
     """
-    if not os.path.isdir(path):
+    distributed = dist.is_available() and dist.is_initialized()
+    reader = SafeFileSystemReader(path)
+    if distributed and read_metadata_once:
+        reader.shared_metadata = _share_metadata(path, process_group)
+    elif not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist")
     try:
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=planner,
-                 process_group=process_group, no_dist=not (dist.is_available() and dist.is_initialized()))
+        dcp.load(state_dict, storage_reader=reader, planner=planner,
+                 process_group=process_group, no_dist=not distributed)
     except CheckpointException as e:
         # DCP wraps each rank's exception in a BaseException; re-raise the underlying one (ours
         # first: they are the same on every rank) so that ``except Exception`` sees it.
