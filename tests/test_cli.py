@@ -24,6 +24,7 @@ def test_inspect_text_and_json(ckpt, capsys):
     rep = json.loads(capsys.readouterr().out)
     assert {i["key"] for i in rep["items"]} == {"w", "step"}
     assert list(rep["files"]) == ["__0_0.distcp"]
+    assert rep["bytes_per_rank"] == {"0": rep["files"]["__0_0.distcp"]}
 
 
 def test_prepare_then_inspect(ckpt, tmp_path, capsys):

@@ -33,11 +33,19 @@ def _inspect(path: str, as_json: bool) -> int:
     files: dict[str, int] = defaultdict(int)
     for info in md.storage_data.values():
         files[info.relative_path] += int(info.length)
+    from ._layout import parse_file_name
+
+    ranks: dict[int, int] = defaultdict(int)
+    for f, n in files.items():
+        parsed = parse_file_name(f)
+        if parsed is not None:
+            ranks[parsed[0]] += n
     fp = prepared.fingerprint
     report: dict[str, Any] = {
         "source": prepared.source,
         "items": items,
         "files": dict(sorted(files.items())),
+        "bytes_per_rank": {str(r): n for r, n in sorted(ranks.items())},
         "storage_meta": {"checkpoint_id": str(getattr(md.storage_meta, "checkpoint_id", None)),
                          "save_id": getattr(md.storage_meta, "save_id", None)},
         "fingerprint": json.loads(fp.to_json()),
@@ -51,6 +59,8 @@ def _inspect(path: str, as_json: bool) -> int:
         print(f"  {it['key']:<50} {shape}")
     for f, n in report["files"].items():
         print(f"  file {f}: {n} bytes")
+    for r, n in report["bytes_per_rank"].items():
+        print(f"  rank {r}: {n} bytes")
     print(f"  storage_meta: {report['storage_meta']}")
     print(f"  fingerprint: {report['fingerprint']}")
     return 0
