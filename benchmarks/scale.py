@@ -21,12 +21,16 @@ two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1
   ``FileSystemWriter.finish`` (builds ``storage_data``, pickles and writes ``.metadata`` with
   fsync), and pickling the ``Metadata`` that ``_DistWrapper.all_reduce`` broadcasts to every rank.
 * solosave, collective path (solosave's own code): each rank's gather payload (the tuple
-  ``Engine._collective`` sends: compact specs, staged keys, flatten mapping), the coordinator's
+  ``Engine._collective`` sends, ``_engine.plan_payload``: columnar specs, staged positions,
+  flatten mapping), the coordinator's
   unpickling, ``Engine._global_plan`` (merge, ``build_state_dict_metadata`` with
   ``validate_chunks``, ``assign_writers``), pickling the scattered decisions, unpickling the write
-  results (``bucket_items`` layout), ``Engine._finish_collective`` (``check_results_cover``,
-  ``build_metadata``, ``MetadataTemplate``, atomic ``.metadata`` write with fsync).
-* solosave, reuse path: ``MetadataTemplate`` construction (once per prepared metadata),
+  results (``bucket_items`` layout), ``Engine._finish_collective`` in create mode
+  (``check_results_cover``, ``build_metadata``, ``MetadataTemplate``, atomic ``.metadata`` write
+  with fsync, reading the bytes back as the prepared metadata; no prepared file).
+* solosave, reuse path: ``MetadataTemplate`` construction (once per prepared metadata loaded
+  from a file; after a create save in the same job the engine adopts the create save's template:
+  ``t_template_after_create``),
   then per save ``render`` + ``publish_metadata`` (atomic write, fsync); per rank per save
   ``AsyncCheckpointer._choose`` (local planning from ``PreparedMetadata.rank_files``) +
   ``check_layout`` (the layout guard); once per rank ``PreparedMetadata`` indexing.
@@ -131,11 +135,13 @@ def solosave_rank_specs(structure: list[tuple[str, tuple[int, ...]]], world: int
 
 
 def solosave_plan_payload(specs: list) -> bytes:
-    """One rank's planning payload: the tuple ``Engine._collective`` gathers (compact specs,
-    staged keys, flatten mapping, no pre-written results, no drifts), pickled as ``Channel``
-    pickles it."""
+    """One rank's planning payload: the tuple ``Engine._collective`` gathers
+    (``_engine.plan_payload``: columnar specs, staged positions, flatten mapping, no pre-written
+    results, no drifts), pickled as ``Channel`` pickles it."""
+    from solosave._engine import plan_payload
+
     planner_data = {s.fqn: ("model", s.fqn[len("model."):]) for s in specs}
-    local = ([s.compact() for s in specs], [s.key for s in specs], planner_data, None, [])
+    local = plan_payload(specs, [s.key for s in specs], planner_data, None, [], 0)
     return pickle.dumps(local, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -208,8 +214,8 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str,
     samples: dict[int, tuple[list, list]] = {}
     result_payloads = []
     for r in range(world):
-        keys = set(decisions[r][1])
-        specs = [s for s in solosave_rank_specs(structure, world, r) if s.key in keys]
+        held = solosave_rank_specs(structure, world, r)  # staged = held, in this order
+        specs = [held[i] for i in decisions[r][1]]  # the positions of the items it writes
         results = solosave_results(specs, r, workers)
         result_payloads.append(pickle.dumps((results, None), protocol=pickle.HIGHEST_PROTOCOL))
         if r in sample_ranks:
@@ -221,11 +227,14 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str,
     del result_payloads
     ckpt = os.path.join(directory, f"solosave_w{world}")
     os.makedirs(ckpt, exist_ok=True)
-    job = SimpleNamespace(directory=ckpt, create_prepared=False, mode=Mode.COLLECTIVE, prepared_path=None)
+    # The create save (create mode, no file to persist): the coordinator also reads the
+    # published bytes back as the prepared metadata it shares, and keeps their template.
+    job = SimpleNamespace(directory=ckpt, create_prepared=True, mode=Mode.COLLECTIVE, prepared_path=None)
     fin, out["t_finish_publish"] = _timed(lambda: engine._finish_collective(job, gathered2, defaultdict(float)))
     if fin[0]:
         raise RuntimeError(f"solosave finish failed at W={world}: {fin[0]}")
-    del gathered2, engine, sdm
+    made = engine._made_template
+    del gathered2, engine, sdm, fin
     gc.collect()
     out["coordinator_total_s"] = (out["t_unpickle_plans"] + out["t_global_plan"] + out["t_scatter_pickle"]
                                   + out["t_unpickle_results"] + out["t_finish_publish"])
@@ -241,6 +250,12 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str,
     # the template), then per save.
     pm, out["t_prepared_index_once"] = _timed(lambda: PreparedMetadata.from_metadata(md, world, workers))
     tpl, out["t_template_once"] = _timed(lambda: MetadataTemplate(md))
+    # The first reuse save after the create save in the same job: the coordinator's engine
+    # adopts the template it built while publishing (Engine._prepared_for).
+    _, out["t_template_after_create"] = _timed(lambda: (pm.adopt_template(*made), pm.template))
+    if pm.template is not made[1]:
+        raise RuntimeError(f"the create save's template was not adopted at W={world}")
+    del made
     del md, data
     reuse_dir = os.path.join(directory, f"reuse_w{world}")
     os.makedirs(reuse_dir, exist_ok=True)

@@ -155,3 +155,36 @@ def test_bytes_padding_is_readable_or_refused(obj):
             assert torch.load(io.BytesIO(data), weights_only=False) == obj
     assert padded_payload(raw, bytes_slot(len(raw))) is not None  # the slot rule always pads
     assert padded_payload(raw, len(raw) - 1) is None
+
+
+def test_prepared_adopts_the_coordinators_template_only_for_its_publication(ckpt_dir, tmp_path):
+    from solosave._prepared import (
+        PreparedMetadata,
+        load_prepared_metadata,
+        prepared_fingerprint,
+        write_prepared_file,
+    )
+    from solosave._safe_pickle import safe_loads
+
+    md = solosave.load_prepared_metadata(ckpt_dir).metadata
+    tpl = MetadataTemplate(md)
+    data = tpl.render(str(ckpt_dir), "save-abc")
+    pm = PreparedMetadata.from_metadata(safe_loads(data, what="x"), 1, 1)
+    other = PreparedMetadata.from_metadata(safe_loads(data, what="x"), 1, 1)
+    assert not other.adopt_template("save-other", tpl)
+    assert pm.adopt_template("save-abc", tpl)
+    assert pm.template is tpl and not pm.adopt_template("save-abc", MetadataTemplate(md))
+    out = pickle.loads(pm.template.render("/x/y", "s2"))
+    assert out.state_dict_metadata == md.state_dict_metadata and out.storage_meta.checkpoint_id == "/x/y"
+    assert other.template is not tpl  # built from its own metadata
+    # the prepared file written from the published bytes loads as save_prepared_metadata's does
+    path = tmp_path / "p.prepared"
+    write_prepared_file(path, prepared_fingerprint(pm.metadata, 1, 1), data)
+    loaded = load_prepared_metadata(path)
+    loaded.check_compatible(1, 1)
+    assert loaded.metadata == pm.metadata and loaded.fingerprint == pm.fingerprint
+    solosave_path = tmp_path / "q.prepared"
+    from solosave._prepared import save_prepared_metadata
+
+    save_prepared_metadata(pm, solosave_path)
+    assert load_prepared_metadata(solosave_path).metadata == loaded.metadata

@@ -35,6 +35,7 @@ import hashlib
 import os
 import time
 import traceback
+from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,9 +53,10 @@ from ._layout import (
     check_layout,
     check_results_cover,
     file_name,
+    plan_from_columns,
 )
-from ._plan import ItemKey, ItemSpec, spec_from_compact
-from ._prepared import PreparedMetadata, save_prepared_metadata
+from ._plan import ItemKey, ItemSpec, pack_specs, unpack_specs
+from ._prepared import PreparedMetadata, prepared_fingerprint, write_prepared_file
 from ._publish import MetadataTemplate, publish_metadata, unpublish
 from ._safe_pickle import safe_loads
 from ._stage import SegmentReader, StagedItem, StagedSave
@@ -190,6 +192,9 @@ class Engine:
         self.reader = SegmentReader()
         self.cache = _Cache()
         self._prepared: tuple[int, PreparedMetadata] | None = None
+        #: Coordinator: the template of the metadata it last prepared (create mode, fallback),
+        #: with that publication's ``save_id``, for the prepared metadata the trainer sends next.
+        self._made_template: tuple[str, MetadataTemplate] | None = None
         self._warnings: list[str] = []
         #: Why the channel cannot be used any more (a collective failed, ranks out of step).
         self.broken: str | None = None
@@ -279,8 +284,8 @@ class Engine:
                     fallback: bool = False) -> JobOutcome:
         ch = self.channel
         staged = {it.spec.key: it for it in job.staged.items}
-        local = ([s.compact() for s in job.held], list(staged), job.planner_data,
-                 prewritten, list(drifts), save_identity(job))
+        staged_keys = list(staged)
+        local = plan_payload(job.held, staged_keys, job.planner_data, prewritten, drifts, save_identity(job))
         gathered = ch.gather_object(local)
         decisions: list[Any] | None = None
         if ch.is_coordinator:
@@ -292,7 +297,8 @@ class Engine:
         if mine[0] == "error":
             return JobOutcome(job.seq, False, "collective", failures={ch.coordinator: mine[1]},
                               error_kind="failed")
-        _, keys, skip_write, validated, all_drifts = mine
+        _, writes, skip_write, validated, all_drifts = mine
+        keys = [staged_keys[i] for i in writes]
         results: list[WriteResult] | None = None
         err = None
         files: list[tuple[str, list[StagedItem]]] = []
@@ -331,46 +337,72 @@ class Engine:
             drifts=all_drifts if fallback else {})
 
     def _global_plan(self, gathered: list[Any]) -> list[Any]:
-        """Coordinator: merge the ranks' plans, assign writers, decide whether to write."""
+        """Coordinator: merge the ranks' plans (the tuples of :func:`plan_payload`), assign
+        writers, decide whether to write. Returns one decision per rank: ``("ok", writes,
+        skip_write, validated, drifts)`` with ``writes`` the positions, in the rank's staged
+        list, of the items it writes; or ``("error", message)``.
+
+        The common case runs on the columnar payloads (:func:`plan_from_columns`); anything it
+        does not decide (an invalid plan, pre-written results of a reuse fallback, per-item
+        payloads) runs the per-item functions, which decide the same and word the errors."""
         try:
-            held = [[spec_from_compact(t) for t in g[0]] for g in gathered]
-            staged_keys = [set(map(_key, g[1])) for g in gathered]
-            by_key: dict[ItemKey, ItemSpec] = {}
-            for specs in held:
-                for s in specs:
-                    by_key.setdefault(s.key, s)
-            sdm = build_state_dict_metadata(s for specs in held for s in specs)
-            nobody = set(by_key) - set().union(*staged_keys)
-            if nobody:
-                names = ", ".join(sorted(k[0] for k in nobody)[:10])
-                raise PlanValidationError(
-                    f"{len(nobody)} item(s) were staged by no rank ({names}): the structure "
-                    "changed on some ranks but not others; the next save re-plans from scratch")
-            staged_specs = [[by_key[k] for k in keys] for keys in staged_keys]
-            prefer = {}
-            for r, g in enumerate(gathered):
-                for k, *_ in g[3] or ():
-                    prefer.setdefault(_key(k), r)
-            assigned = assign_writers(staged_specs, prefer)
-            skip = all(g[3] is not None for g in gathered) and all(
-                {_key(k) for k, *_ in g[3]} == {s.key for s in assigned[r]}
-                for r, g in enumerate(gathered))
-            planner_data: dict = {}
-            for g in gathered:
-                planner_data.update(g[2])
-            ghash = hashlib.sha256(repr(
-                [sorted((s.key, s.sizes, s.global_size, s.dtype, int(s.kind)) for s in a) for a in assigned]
-            ).encode()).hexdigest()
+            plan = None
+            if all(g[0][0] == "cols" and isinstance(g[1], array) and g[3] is None for g in gathered):
+                plan = plan_from_columns([g[0] for g in gathered], [g[1] for g in gathered])
+            if plan is not None:
+                sdm, writes, skip, ghash = plan.state_dict_metadata, plan.writes, False, plan.assignment_hash
+            else:
+                sdm, writes, skip, ghash = self._global_plan_items(gathered)
             validated = ghash == self.cache.last_global_hash
             self.cache.last_global_hash = ghash
             self.cache.state_dict_metadata = sdm
+            planner_data: dict = {}
+            for g in gathered:
+                planner_data.update(g[2])
             self.cache.planner_data = planner_data
             drifts = {r: list(g[4]) for r, g in enumerate(gathered) if g[4]}
-            return [("ok", [s.key for s in assigned[r]], skip, validated, drifts)
-                    for r in range(len(gathered))]
+            return [("ok", writes[r], skip, validated, drifts) for r in range(len(gathered))]
         except Exception as e:  # noqa: BLE001 - every rank gets the coordinator's error
             self.cache = _Cache()
             return [("error", f"global planning failed: {_describe(e)}")] * len(gathered)
+
+    @staticmethod
+    def _global_plan_items(gathered: list[Any]) -> tuple[dict, list[list[int]], bool, str]:
+        """The global plan with one :class:`ItemSpec` per item (see :meth:`_global_plan`):
+        ``(state_dict_metadata, writes, skip_write, assignment hash)``; raises on an invalid
+        plan."""
+        held = [unpack_specs(g[0]) for g in gathered]
+        staged_lists = [[_key(held[r][i].key) for i in g[1]] if isinstance(g[1], array) else [_key(k) for k in g[1]]
+                        for r, g in enumerate(gathered)]
+        staged_keys = [set(keys) for keys in staged_lists]
+        by_key: dict[ItemKey, ItemSpec] = {}
+        for specs in held:
+            for s in specs:
+                by_key.setdefault(s.key, s)
+        sdm = build_state_dict_metadata(s for specs in held for s in specs)
+        nobody = set(by_key) - set().union(*staged_keys)
+        if nobody:
+            names = ", ".join(sorted(k[0] for k in nobody)[:10])
+            raise PlanValidationError(
+                f"{len(nobody)} item(s) were staged by no rank ({names}): the structure "
+                "changed on some ranks but not others; the next save re-plans from scratch")
+        staged_specs = [[by_key[k] for k in keys] for keys in staged_keys]
+        prefer = {}
+        for r, g in enumerate(gathered):
+            for k, *_ in g[3] or ():
+                prefer.setdefault(_key(k), r)
+        assigned = assign_writers(staged_specs, prefer)
+        skip = all(g[3] is not None for g in gathered) and all(
+            {_key(k) for k, *_ in g[3]} == {s.key for s in assigned[r]}
+            for r, g in enumerate(gathered))
+        ghash = hashlib.sha256(repr(
+            [sorted((s.key, s.sizes, s.global_size, s.dtype, int(s.kind)) for s in a) for a in assigned]
+        ).encode()).hexdigest()
+        writes = []
+        for r, keys in enumerate(staged_lists):
+            pos = {k: j for j, k in enumerate(keys)}
+            writes.append(sorted(pos[s.key] for s in assigned[r]))
+        return sdm, writes, skip, ghash
 
     def _finish_collective(self, job: SaveJob, gathered: list[Any], timings: dict[str, float]) -> tuple:
         """Coordinator: check every rank wrote, build ``Metadata``, publish it last."""
@@ -385,17 +417,24 @@ class Engine:
                 raise PlanValidationError("write results do not cover the plan: " + "; ".join(problems[:10]))
             md = build_metadata(sdm, [(_key(k), rel, off, ln) for k, rel, off, ln in results],
                                 self.cache.planner_data)
-            data = MetadataTemplate(md).render(os.fspath(job.directory))
+            template = MetadataTemplate(md)
+            data = template.render(os.fspath(job.directory))
             prepared_md = None
+            self._made_template = None
             if job.create_prepared or job.mode is Mode.REUSE:
                 # The prepared metadata is exactly the bytes about to be published, read back.
                 prepared_md = safe_loads(data, what="published .metadata")
+                if prepared_md.storage_meta is not None and prepared_md.storage_meta.save_id:
+                    # Its save_id (a fresh uuid) identifies it when the trainers send it back
+                    # as the prepared metadata of the next saves: the template built here is
+                    # then reused, not rebuilt on the first reuse save (see _prepared_for).
+                    self._made_template = (prepared_md.storage_meta.save_id, template)
                 if job.prepared_path:
                     try:
-                        save_prepared_metadata(
-                            PreparedMetadata.from_metadata(prepared_md, self.world_size, self.workers,
-                                                           source=job.prepared_path),
-                            job.prepared_path)
+                        # `data` is the protocol-2 pickle of prepared_md: stored as is.
+                        write_prepared_file(job.prepared_path,
+                                            prepared_fingerprint(prepared_md, self.world_size, self.workers),
+                                            data)
                     except Exception as e:  # noqa: BLE001 - the checkpoint itself is fine
                         self._warnings.append(f"could not persist the prepared metadata to "
                                               f"{job.prepared_path}: {_describe(e)}; it is kept in memory")
@@ -449,6 +488,9 @@ class Engine:
     def _prepared_for(self, job: SaveJob) -> PreparedMetadata:
         if job.prepared is not None:
             self._prepared = (job.prepared_token, job.prepared)
+            made, self._made_template = self._made_template, None
+            if made is not None:
+                job.prepared.adopt_template(*made)
         if self._prepared is None or self._prepared[0] != job.prepared_token:
             raise RuntimeError("internal: the worker has no prepared metadata for this token")
         return self._prepared[1]
@@ -500,6 +542,21 @@ class Engine:
         return self._collective(job, timings, prewritten=prewritten, drifts=tuple(drifts), fallback=True)
 
 
+def plan_payload(held: Any, staged_keys: list[ItemKey], planner_data: dict,
+                 prewritten: list[WriteResult] | None, drifts: Any, identity: int) -> tuple:
+    """What every rank sends in the planning gather of the collective path: its items in
+    columnar form (:func:`~solosave._plan.pack_specs`), the items it staged (an ``array('q')``
+    of positions in ``held``, or the list of keys when one is not in ``held``), the flatten
+    mapping, the results it already wrote (reuse fallback), its drifts and the save identity."""
+    held = list(held)
+    pos = {s.key: i for i, s in enumerate(held)}
+    try:
+        staged: Any = array("q", [pos[k] for k in staged_keys])
+    except KeyError:
+        staged = list(staged_keys)
+    return (pack_specs(held), staged, planner_data, prewritten, list(drifts), identity)
+
+
 def _same_save(gathered: list[Any], at: int, job: SaveJob) -> list[Any] | None:
     """Coordinator: ``None`` if every rank's gathered tuple carries this save's identity at
     index ``at``; else an "out of step" decision for every rank."""
@@ -523,4 +580,4 @@ def _replace(out: JobOutcome, **kw: Any) -> JobOutcome:
     return dataclasses.replace(out, **kw)
 
 
-__all__ = ["Engine", "JobOutcome", "Mode", "SaveJob"]
+__all__ = ["Engine", "JobOutcome", "Mode", "SaveJob", "plan_payload"]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import heapq
 import math
 import operator
+from array import array
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -469,3 +471,283 @@ def check_layout(expected: Sequence[PlacedItem],
 def _key_name(key: ItemKey) -> str:
     fqn, offsets = key
     return fqn if offsets is None or not any(offsets) else f"{fqn}@{list(offsets)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The global plan from columnar payloads (coordinator, collective path)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ColumnarPlan:
+    """What :func:`plan_from_columns` decides: DCP's ``state_dict_metadata``, for every rank
+    the positions (in the rank's own staged list) of the items it writes, and a hash of the
+    assignment (equal for equal assignments)."""
+
+    state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata]
+    writes: list[list[int]]
+    assignment_hash: str
+
+
+_TORCH_INT = {"b": torch.int8, "i": torch.int32, "l": torch.int64, "q": torch.int64}
+
+
+def _cat_ints(arrays: Sequence[array]) -> torch.Tensor:
+    """Concatenate integer ``array`` objects (any of the typecodes of ``pack_specs``) into one
+    int64 tensor."""
+    arrays = [a for a in arrays if len(a)]
+    if not arrays:
+        return torch.zeros(0, dtype=torch.int64)
+    def dtype_of(a: array) -> torch.dtype | None:
+        dt = _TORCH_INT.get(a.typecode)
+        return dt if dt is not None and a.itemsize == torch.empty(0, dtype=dt).element_size() else None
+
+    dtypes = {dtype_of(a) for a in arrays}
+    if len(dtypes) == 1 and None not in dtypes:
+        data = bytearray(b"".join(a.tobytes() for a in arrays))
+        return torch.frombuffer(data, dtype=dtypes.pop()).to(torch.int64)
+    return torch.cat([torch.frombuffer(bytearray(a.tobytes()), dtype=dt).to(torch.int64) if dt is not None
+                      else torch.tensor(a.tolist(), dtype=torch.int64) for a, dt in ((a, dtype_of(a)) for a in arrays)])
+
+
+def _cat_u8(chunks: Sequence[bytes]) -> torch.Tensor:
+    data = b"".join(chunks)
+    if not data:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+
+
+def _first_of(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Position of the first element of each group (``len(groups)`` for an empty group)."""
+    n = groups.numel()
+    return torch.full((n_groups,), n, dtype=torch.int64).scatter_reduce_(
+        0, groups, torch.arange(n, dtype=torch.int64), "amin")
+
+
+def _tiles_along_one_dim(size: tuple[int, ...], offs: torch.Tensor, sizes: torch.Tensor) -> bool | None:
+    """Tensor form of :func:`_validate_disjoint_along_one_dim`: ``True`` (valid), ``False``
+    (in bounds and disjoint but a gap) or ``None`` (undecided: the exact check decides)."""
+    nd = len(size)
+    if nd == 0:
+        return None
+    if bool(((offs < 0) | (sizes < 0) | (offs + sizes > torch.tensor(size, dtype=torch.int64))).any()):
+        return None
+    vols = sizes.prod(dim=1)
+    vol = int(vols.sum())
+    keep = vols > 0
+    offs, sizes = offs[keep], sizes[keep]
+    if offs.shape[0] > 1:
+        distinct = [int(torch.unique(offs[:, d]).numel()) for d in range(nd)]
+        dim = max(range(nd), key=lambda d: (distinct[d], size[d], -d))
+        order = torch.argsort(offs[:, dim], stable=True)
+        starts = offs[order, dim]
+        ends = starts + sizes[order, dim]
+        if not bool((starts[1:] >= torch.cummax(ends, dim=0).values[:-1]).all()):
+            return None
+    return vol == math.prod(size)
+
+
+@_without_gc
+def plan_from_columns(packed: Sequence[tuple], staged: Sequence[array]) -> ColumnarPlan | None:
+    """The coordinator's global plan from every rank's :func:`~solosave._plan.pack_specs`
+    payload (``packed[r]``, all in the ``"cols"`` form) and staged items (``staged[r]``: an
+    ``array('q')`` of positions in rank r's payload), with array operations instead of one Python
+    object per item.
+
+    Decides exactly what :func:`build_state_dict_metadata` + :func:`assign_writers` (without
+    ``prefer``) decide on the same items, for the valid and common case only: returns ``None``
+    whenever anything is unusual (a tensor whose kind, dtype, size or dimensionality differs
+    between items, one chunk with two sizes, negative offsets, chunks that do not tile their
+    tensor, an item staged by nobody, a rank staging an item twice), so that the caller runs
+    the per-item functions, which word the errors.
+    """
+    world = len(packed)
+    counts = [len(p[1]) for p in packed]
+    n = sum(counts)
+    # fqn ids by first appearance over ranks (the order of DCP's state_dict_metadata)
+    fid_of: dict[str, int] = {}
+    fid_parts = []
+    prev_names: list[str] | None = None
+    prev_ids: torch.Tensor | None = None
+    for p in packed:
+        names = p[1]
+        if names != prev_names or prev_ids is None:
+            prev_ids = torch.tensor([fid_of.setdefault(f, len(fid_of)) for f in names], dtype=torch.int64)
+            prev_names = names
+        fid_parts.append(prev_ids)
+    fid = torch.cat(fid_parts) if fid_parts else torch.zeros(0, dtype=torch.int64)
+    names = list(fid_of)
+    nf = len(names)
+    kinds = _cat_u8([p[2] for p in packed])
+    # dtypes: per-rank tables -> global ids
+    dt_of: dict[str | None, int] = {}
+    table_map: list[int] = []
+    table_base = []
+    for p in packed:
+        table_base.append(len(table_map))
+        table_map.extend(dt_of.setdefault(d, len(dt_of)) for d in p[3])
+    dt_names = list(dt_of)
+    base = torch.repeat_interleave(torch.tensor(table_base, dtype=torch.int64),
+                                   torch.tensor(counts, dtype=torch.int64))
+    dtype = torch.tensor(table_map, dtype=torch.int64)[_cat_u8([p[4] for p in packed]) + base] if n else \
+        torch.zeros(0, dtype=torch.int64)
+    nbytes = _cat_ints([p[5] for p in packed])
+    nds = _cat_ints([p[6] for p in packed])
+    numbers = _cat_ints([p[7] for p in packed])
+    if nf == 0:
+        return ColumnarPlan({}, [[] for _ in range(world)], hashlib.sha256(b"empty").hexdigest())
+    # per-fqn consistency (kind, dtype, ndims, global size: those of the fqn's first item);
+    # tensors (kind 0) have ndims >= 0, bytes items -1
+    f_first = _first_of(fid, nf)
+    per = torch.stack([kinds, dtype, nds], dim=1)
+    f_per = per[f_first]
+    if not bool((per == f_per[fid]).all()):
+        return None
+    f_kind, f_dtype, f_nd = f_per[:, 0], f_per[:, 1], f_per[:, 2]
+    if bool(((f_kind == int(ItemKind.TENSOR)) != (f_nd >= 0)).any()) or bool((f_kind > 1).any()):
+        return None
+    maxnd = max(int(f_nd.max()), 0)
+    width = torch.clamp(nds, min=0)
+    starts = torch.cumsum(3 * width, 0) - 3 * width
+    if maxnd:
+        at = starts[:, None] + torch.arange(maxnd, dtype=torch.int64)[None, :]
+        valid = torch.arange(maxnd, dtype=torch.int64)[None, :] < width[:, None]
+        last = max(numbers.numel() - 1, 0)
+        w = width[:, None]
+        pad = numbers.new_zeros(1)
+        numbers = torch.cat([numbers, pad])  # index `last + 1`: the padding value 0
+        offs = numbers[torch.where(valid, at, last + 1)]
+        sizes = numbers[torch.where(valid, at + w, last + 1)]
+        gsz = numbers[torch.where(valid, at + 2 * w, last + 1)]
+        if bool((offs < 0).any()):
+            return None
+        g_first = gsz[f_first]
+        if not bool((gsz == g_first[fid]).all()):
+            return None
+    else:
+        offs = sizes = torch.zeros((n, 0), dtype=torch.int64)
+        g_first = torch.zeros((nf, 0), dtype=torch.int64)
+    # item identity (fqn, offsets): one int64 key, or rows when it does not fit
+    radix = [int(offs[:, d].max()) + 1 if n else 1 for d in range(maxnd)]
+    if math.prod(radix) * nf < (1 << 62):
+        key = fid.clone()
+        for d in range(maxnd):
+            key = key * radix[d] + offs[:, d]
+        ukey, inv = torch.unique(key, return_inverse=True)
+        nu = int(ukey.numel())
+    else:
+        _, inv = torch.unique(torch.cat([fid[:, None], offs], dim=1), dim=0, return_inverse=True)
+        nu = int(inv.max()) + 1
+    first = _first_of(inv, nu)
+    if maxnd and not bool((sizes == sizes[first][inv]).all()):
+        return None  # one chunk with two sizes
+    u_fid = fid[first]
+    u_offs = offs[first]
+    u_sizes = sizes[first]
+    u_nbytes = nbytes[first]
+    # the chunks of each tensor (contiguous in unique order, sorted by offsets)
+    bounds = torch.searchsorted(u_fid, torch.arange(nf + 1, dtype=torch.int64)).tolist()
+    f_nd_l, f_kind_l, f_dtype_l = f_nd.tolist(), f_kind.tolist(), f_dtype.tolist()
+    f_gsize = g_first.tolist()
+    if any(bounds[i + 1] <= bounds[i] for i in range(nf)):  # pragma: no cover - every fqn has items
+        return None
+    for i in range(nf):
+        if f_kind_l[i] != int(ItemKind.TENSOR):
+            continue
+        nd = f_nd_l[i]
+        size = tuple(f_gsize[i][:nd])
+        a, b = bounds[i], bounds[i + 1]
+        verdict = None
+        if b - a >= _VECTOR_MIN and nd > 0:
+            verdict = _tiles_along_one_dim(size, u_offs[a:b, :nd], u_sizes[a:b, :nd])
+        if verdict is None:
+            chunks = list(zip(map(tuple, u_offs[a:b, :nd].tolist()), map(tuple, u_sizes[a:b, :nd].tolist())))
+            verdict = not validate_chunks(names[i], size, chunks)
+        if not verdict:
+            return None
+    # staged items -> unique ids; every item staged, none twice by one rank
+    rank_base = [0] * world
+    acc = 0
+    for r, c in enumerate(counts):
+        rank_base[r] = acc
+        acc += c
+    st_counts = [len(s) for s in staged]
+    st_rank = torch.repeat_interleave(torch.arange(world, dtype=torch.int64),
+                                      torch.tensor(st_counts, dtype=torch.int64))
+    st_in = _cat_ints(staged)
+    if st_in.numel() and (bool((st_in < 0).any()) or bool(
+            (st_in >= torch.tensor(counts, dtype=torch.int64)[st_rank]).any())):
+        return None
+    st_pos = st_in + torch.tensor(rank_base, dtype=torch.int64)[st_rank]
+    st_uid = inv[st_pos]
+    holders = torch.bincount(st_uid, minlength=nu)
+    if bool((holders == 0).any()):
+        return None
+    # writers: an item staged by one rank goes to it; replicated items greedily (assign_writers)
+    owner = torch.full((nu,), -1, dtype=torch.int64)
+    single = holders[st_uid] == 1
+    owner[st_uid[single]] = st_rank[single]
+    weight = torch.clamp(u_nbytes, min=1)
+    load_t = torch.zeros(world, dtype=torch.int64).scatter_add_(0, st_rank[single], weight[st_uid[single]])
+    multi = ~single
+    if bool(multi.any()):
+        m_uid, m_rank = st_uid[multi], st_rank[multi]
+        order = torch.argsort(m_uid * world + m_rank)
+        m_uid, m_rank = m_uid[order], m_rank[order]
+        if m_uid.numel() > 1 and bool(((m_uid[1:] == m_uid[:-1]) & (m_rank[1:] == m_rank[:-1])).any()):
+            return None  # a rank staged one item twice
+        uids, per_uid = torch.unique_consecutive(m_uid, return_counts=True)
+        groups = torch.split(m_rank, per_uid.tolist())
+        name_rank = {f: j for j, f in enumerate(sorted(names))}
+        fid_name_rank = torch.tensor([name_rank[f] for f in names], dtype=torch.int64)
+        uid_list = uids.tolist()
+        sort_nb = (-u_nbytes[uids]).tolist()
+        sort_nm = fid_name_rank[u_fid[uids]].tolist()
+        visit = sorted(range(len(uid_list)), key=lambda j: (sort_nb[j], sort_nm[j], uid_list[j]))
+        load = load_t.tolist()
+        wl = weight[uids].tolist()
+        own = [0] * len(uid_list)
+        for j in visit:
+            hs = groups[j]
+            if hs.numel() > 64:
+                r = int(hs[int(torch.argmin(torch.tensor([load[x] for x in hs.tolist()], dtype=torch.int64)))])
+            else:
+                r = min(hs.tolist(), key=lambda x: (load[x], x))
+            own[j] = r
+            load[r] += wl[j]
+        owner[uids] = torch.tensor(own, dtype=torch.int64)
+    mine = owner[st_uid] == st_rank
+    st_first = torch.cumsum(torch.tensor(st_counts, dtype=torch.int64), 0) - torch.tensor(st_counts, dtype=torch.int64)
+    st_local = torch.arange(st_rank.numel(), dtype=torch.int64) - st_first[st_rank]
+    per_rank = torch.bincount(st_rank[mine], minlength=world).tolist()
+    writes = [t.tolist() for t in torch.split(st_local[mine], per_rank)]
+    # state_dict_metadata, in first-appearance order, chunks sorted by offsets
+    md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    sizes_cache: dict[tuple[int, ...], torch.Size] = {}
+    for i, fqn in enumerate(names):
+        if f_kind_l[i] != int(ItemKind.TENSOR):
+            md[fqn] = BytesStorageMetadata()
+            continue
+        nd = f_nd_l[i]
+        a, b = bounds[i], bounds[i + 1]
+        seg = u_sizes[a:b, :nd]
+        if nd and b - a > 1:  # few distinct chunk sizes per tensor: one torch.Size each
+            skey = seg[:, 0].clone()
+            for d in range(1, nd):
+                skey = skey * (int(seg[:, d].max()) + 1) + seg[:, d]
+            _, sinv = torch.unique(skey, return_inverse=True)
+            distinct = seg[_first_of(sinv, int(sinv.max()) + 1)].tolist()
+            shared = [_shared_size(sizes_cache, tuple(z)) for z in distinct]
+            chunk_sizes = [shared[j] for j in sinv.tolist()]
+        else:
+            chunk_sizes = [_shared_size(sizes_cache, tuple(z)) for z in seg.tolist()]
+        md[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype_from_name(dt_names[f_dtype_l[i]] or "float32")),
+            size=torch.Size(f_gsize[i][:nd]),
+            chunks=list(map(ChunkStorageMetadata, map(torch.Size, u_offs[a:b, :nd].tolist()), chunk_sizes)),
+        )
+    h = hashlib.sha256()
+    h.update(repr((names, dt_names, f_kind_l, f_dtype_l, f_nd_l, f_gsize)).encode())
+    for t in (u_fid, u_offs, u_sizes, u_nbytes, owner):
+        h.update(t.contiguous().numpy().tobytes() if t.numel() else b"-")
+        h.update(b"|")
+    return ColumnarPlan(md, writes, h.hexdigest())

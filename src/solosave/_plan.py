@@ -18,6 +18,7 @@ import enum
 import hashlib
 import io
 import zlib
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,82 @@ class ItemSpec:
 def spec_from_compact(t: tuple) -> ItemSpec:
     fqn, kind, offsets, sizes, gsize, dtype, nbytes = t
     return ItemSpec(fqn, ItemKind(kind), offsets, sizes, gsize, dtype, nbytes)
+
+
+def pack_specs(specs: list[ItemSpec]) -> tuple:
+    """One rank's items in columnar form, for the planning gather: a few Python objects per
+    rank instead of one tuple per item, so that the coordinator unpickles and merges W ranks'
+    items with array operations (see ``Engine._global_plan``).
+
+    ``("cols", fqns, kinds, dtype_table, dtype_index, nbytes, ndims, numbers)``: ``fqns`` a list
+    of str; ``kinds`` and ``dtype_index`` bytes (one per item; ``dtype_table`` the distinct
+    dtype names, ``None`` included); ``nbytes`` and ``ndims`` integer arrays (``ndims`` -1 when
+    offsets, sizes and global size are all ``None``); ``numbers`` an integer array holding, per
+    item with ``ndims >= 0``, its offsets, sizes and global size (``3 * ndims`` values); each
+    array with the smallest signed typecode that holds its values ("b", "i" or "q").
+    Items that do not fit this form (offsets, sizes and global size of different lengths or only
+    partly ``None``, values outside int64) make the whole payload
+    ``("specs", [spec.compact() ...])``. :func:`unpack_specs` inverts either form.
+    """
+    fqns: list[str] = []
+    kinds = bytearray()
+    dt_index = bytearray()
+    table: dict[str | None, int] = {}
+    nbytes = array("q")
+    ndims = array("q")
+    numbers = array("q")
+    try:
+        for s in specs:
+            o, z, g = s.offsets, s.sizes, s.global_size
+            if o is None and z is None and g is None:
+                ndims.append(-1)
+            elif o is not None and z is not None and g is not None and len(o) == len(z) == len(g):
+                ndims.append(len(o))
+                numbers.extend(o)
+                numbers.extend(z)
+                numbers.extend(g)
+            else:
+                raise ValueError("irregular item")
+            fqns.append(s.fqn)
+            kinds.append(int(s.kind))
+            dt_index.append(table.setdefault(s.dtype, len(table)))
+            nbytes.append(s.nbytes)
+    except (ValueError, OverflowError, TypeError):  # not representable: the per-item form
+        return ("specs", [s.compact() for s in specs])
+    return ("cols", fqns, bytes(kinds), list(table), bytes(dt_index), _narrow(nbytes), _narrow(ndims),
+            _narrow(numbers))
+
+
+def _narrow(a: array) -> array:
+    """``a`` with the smallest signed typecode of 1, 4 or 8 bytes that holds its values."""
+    if not a:
+        return array("b")
+    lo, hi = min(a), max(a)
+    for code, bound in (("b", 1 << 7), ("i", 1 << 31)):
+        if array(code).itemsize * 8 == bound.bit_length() and -bound <= lo and hi < bound:
+            return array(code, a)
+    return a
+
+
+def unpack_specs(packed: tuple) -> list[ItemSpec]:
+    """The :class:`ItemSpec` objects of a :func:`pack_specs` payload (``owner`` is not sent)."""
+    if packed[0] == "specs":
+        return [spec_from_compact(t) for t in packed[1]]
+    _, fqns, kinds, table, dt_index, nbytes, ndims, numbers = packed
+    kind_of = tuple(ItemKind)
+    out = []
+    pos = 0
+    for i, fqn in enumerate(fqns):
+        nd = ndims[i]
+        if nd < 0:
+            o = z = g = None
+        else:
+            o = tuple(numbers[pos:pos + nd])
+            z = tuple(numbers[pos + nd:pos + 2 * nd])
+            g = tuple(numbers[pos + 2 * nd:pos + 3 * nd])
+            pos += 3 * nd
+        out.append(ItemSpec(fqn, kind_of[kinds[i]], o, z, g, table[dt_index[i]], nbytes[i]))
+    return out
 
 
 @dataclass(slots=True)

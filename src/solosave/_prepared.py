@@ -62,17 +62,19 @@ class Fingerprint:
 def metadata_structure_hash(md: Metadata) -> str:
     """Hash of keys, shapes, dtypes, chunking and which file/offset/length holds each item."""
     h = hashlib.sha256()
-    for fqn in sorted(md.state_dict_metadata):
-        m = md.state_dict_metadata[fqn]
-        if isinstance(m, TensorStorageMetadata):
-            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks)
-            h.update(repr((fqn, str(m.properties.dtype), tuple(m.size), chunks)).encode())
-        else:
-            h.update(repr((fqn, "bytes")).encode())
-    with gc_paused():
+    with gc_paused():  # millions of small tuples, no cycles
+        for fqn in sorted(md.state_dict_metadata):
+            m = md.state_dict_metadata[fqn]
+            if isinstance(m, TensorStorageMetadata):
+                chunks = sorted(zip(map(tuple, (c.offsets for c in m.chunks)),
+                                    map(tuple, (c.sizes for c in m.chunks))))
+                h.update(repr((fqn, str(m.properties.dtype), tuple(m.size), chunks)).encode())
+            else:
+                h.update(repr((fqn, "bytes")).encode())
         rows = sorted((k.fqn, tuple(k.offset) if k.offset is not None else (), v.relative_path, v.offset,
                        v.length) for k, v in (md.storage_data or {}).items())
         h.update(repr(rows).encode())
+        del rows
     return h.hexdigest()[:32]
 
 
@@ -131,8 +133,7 @@ class PreparedMetadata:
                       workers: int | None = None, source: str = "object") -> PreparedMetadata:
         """Wrap ``metadata`` and compute its fingerprint (world size / workers inferred from
         the file names when not given: a lower bound, since a rank may have written nothing)."""
-        fp = Fingerprint(world_size, workers, metadata_structure_hash(metadata), torch.__version__)
-        return cls(metadata, fp, source)
+        return cls(metadata, prepared_fingerprint(metadata, world_size, workers), source)
 
     # -- per-rank index --------------------------------------------------------------------
     def rank_files(self, rank: int) -> tuple[tuple[str, tuple[PlacedItem, ...]], ...]:
@@ -171,6 +172,17 @@ class PreparedMetadata:
     def template(self) -> MetadataTemplate:
         """The metadata serialized once, for publishing (coordinator)."""
         return MetadataTemplate(self.metadata)
+
+    def adopt_template(self, save_id: str, template: MetadataTemplate) -> bool:
+        """Use ``template`` (built by the coordinator from the ``.metadata`` it published with
+        ``save_id``) instead of serializing the metadata again, if this metadata was read back
+        from that publication (its ``storage_meta.save_id``, a fresh uuid per publication);
+        returns whether it did."""
+        sm = self.metadata.storage_meta
+        if "template" in self.__dict__ or sm is None or not save_id or sm.save_id != save_id:
+            return False
+        self.__dict__["template"] = template  # the cached_property's slot
+        return True
 
     # -- validation ------------------------------------------------------------------------
     def check_compatible(self, world_size: int, workers: int) -> None:
@@ -265,11 +277,23 @@ def _parse_prepared(p: Path, data: bytes) -> PreparedMetadata:
     return PreparedMetadata(md, fp, str(p))
 
 
+def prepared_fingerprint(metadata: Metadata, world_size: int | None = None,
+                         workers: int | None = None) -> Fingerprint:
+    """The fingerprint :meth:`PreparedMetadata.from_metadata` records for ``metadata``."""
+    return Fingerprint(world_size, workers, metadata_structure_hash(metadata), torch.__version__)
+
+
 def save_prepared_metadata(prepared: PreparedMetadata | Metadata, path: str | os.PathLike) -> None:
     """Write ``prepared`` to ``path`` atomically (temp file, fsync, rename, directory fsync)."""
     if isinstance(prepared, Metadata):
         prepared = PreparedMetadata.from_metadata(prepared)
-    data = MAGIC + f"{FORMAT_VERSION}\n".encode() + prepared.fingerprint.to_json().encode() + b"\n" \
-        + pickle.dumps(prepared.metadata, protocol=2)
+    write_prepared_file(path, prepared.fingerprint, pickle.dumps(prepared.metadata, protocol=2))
+
+
+def write_prepared_file(path: str | os.PathLike, fingerprint: Fingerprint, pickled: bytes) -> None:
+    """Write a prepared-metadata file (format version 1) atomically from the fingerprint and
+    ``pickled``, a pickle of the ``Metadata`` (protocol 2, as :func:`save_prepared_metadata`
+    writes it; e.g. the bytes of a published ``.metadata``, which are one)."""
+    data = b"".join((MAGIC, f"{FORMAT_VERSION}\n".encode(), fingerprint.to_json().encode(), b"\n", pickled))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, data)
