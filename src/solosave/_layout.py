@@ -339,22 +339,13 @@ def _validate_disjoint_along_one_dim(fqn: str, size: tuple[int, ...],
         return None
     offs = torch.tensor([o for o, _ in chunks], dtype=torch.int64).reshape(len(chunks), nd)
     sizes = torch.tensor([z for _, z in chunks], dtype=torch.int64).reshape(len(chunks), nd)
-    if bool(((offs < 0) | (sizes < 0) | (offs + sizes > torch.tensor(size, dtype=torch.int64))).any()):
+    tiles = _tiles_along_one_dim(size, offs, sizes)
+    if tiles is None:
         return None
-    vols = sizes.prod(dim=1)
-    vol = int(vols.sum())
-    keep = vols > 0
-    offs, sizes = offs[keep], sizes[keep]
-    if offs.shape[0] > 1:
-        distinct = [int(torch.unique(offs[:, d]).numel()) for d in range(nd)]
-        dim = max(range(nd), key=lambda d: (distinct[d], size[d], -d))
-        order = torch.argsort(offs[:, dim], stable=True)
-        starts = offs[order, dim]
-        ends = starts + sizes[order, dim]
-        if not bool((starts[1:] >= torch.cummax(ends, dim=0).values[:-1]).all()):
-            return None
-    total = math.prod(size)
-    return [] if vol == total else [f"{fqn!r}: chunks cover {vol} of {total} elements (a gap)"]
+    if tiles:
+        return []
+    vol = int(sizes.prod(dim=1).sum())
+    return [f"{fqn!r}: chunks cover {vol} of {math.prod(size)} elements (a gap)"]
 
 
 @_without_gc
