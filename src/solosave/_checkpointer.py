@@ -35,6 +35,7 @@ from ._errors import (
     LayoutDriftError,
     PreparedMetadataError,
     SaveTimeoutError,
+    WorkerDiedError,
 )
 from ._options import CheckpointerOptions
 from ._plan import ItemSpec, LocalPlan, plan_local
@@ -419,8 +420,6 @@ class AsyncCheckpointer:
         self._closed = True
         t = self.options.timeout if timeout is None else timeout
         h = self._inflight
-        from ._errors import WorkerDiedError
-
         try:
             if h is not None and h._outcome is None:
                 try:
@@ -443,7 +442,7 @@ class AsyncCheckpointer:
                         pass
                 self._store = None
                 if h is not None and h._outcome is None:  # abandoned: settle its handle
-                    late = [o for o in getattr(self._transport, "leftover", ()) if o.seq == h.seq]
+                    late = [o for o in self._transport.leftover if o.seq == h.seq]
                     published = os.path.exists(os.path.join(h.path, METADATA_FILE))
                     h._set(late[0] if late else JobOutcome(
                         h.seq, False, h._job.mode.value, error_kind="failed", failures={

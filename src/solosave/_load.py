@@ -35,9 +35,8 @@ class SafeFileSystemReader(FileSystemReader):
     raises :class:`~solosave.CorruptCheckpointError` instead of yielding garbage)."""
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
         needed = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
-        problems = check_ranges(self.path, needed, files)
+        problems = check_ranges(self.path, needed)
         if problems:
             raise CorruptCheckpointError(
                 f"checkpoint {os.fspath(self.path)} is damaged: {'; '.join(problems)}. Load an "

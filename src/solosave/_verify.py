@@ -17,7 +17,7 @@ import json
 import os
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from ._errors import PreparedMetadataError
 from ._layout import check_results_cover, index_key
 from ._prepared import _infer_world_workers as infer_world_workers
 from ._prepared import load_prepared_metadata
-from ._write import CHECKSUM_FORMAT, checksum_path
+from ._write import CHECKSUM_FORMAT, CHECKSUM_SUFFIX, checksum_path
 
 _READ_CHUNK = 8 << 20
 
@@ -70,13 +70,11 @@ def _name(index: Any) -> str:
     return fqn if offsets is None or not any(offsets) else f"{fqn}@{list(offsets)}"
 
 
-def check_ranges(directory: str | os.PathLike, storage_data: Mapping[Any, Any],
-                 files: Iterable[str] | None = None) -> list[str]:
-    """Every byte range of ``storage_data`` (restricted to ``files``) lies inside its data file."""
+def check_ranges(directory: str | os.PathLike, storage_data: Mapping[Any, Any]) -> list[str]:
+    """Every byte range of ``storage_data`` lies inside its data file."""
     per_file = _ranges_by_file(storage_data)
-    wanted = set(per_file) if files is None else set(files) & set(per_file)
     problems: list[str] = []
-    for rel in sorted(wanted):
+    for rel in sorted(per_file):
         path = os.path.join(os.fspath(directory), rel)
         try:
             size = os.stat(path).st_size
@@ -98,53 +96,59 @@ def _read_metadata(directory: str) -> Metadata:
     return prepared.metadata
 
 
+def _read_sidecar(sidecar: str) -> dict[tuple[int, int], int]:
+    with open(sidecar, "rb") as f:
+        doc = json.loads(f.read())
+    if doc.get("format") != CHECKSUM_FORMAT:
+        raise ValueError(f"unknown format {doc.get('format')!r}")
+    return {(int(r["offset"]), int(r["length"])): int(r["crc32"]) for r in doc["records"]}
+
+
+def _crc_of_range(f: Any, off: int, n: int, progress: Callable[[int, int], None] | None,
+                  total: int) -> int | None:
+    """CRC32 of ``n`` bytes at ``off`` of ``f``; ``None`` if the file ends first."""
+    f.seek(off)
+    crc, left = 0, n
+    while left > 0:
+        buf = f.read(min(_READ_CHUNK, left))
+        if not buf:
+            return None
+        crc = zlib.crc32(buf, crc)
+        left -= len(buf)
+        if progress is not None:
+            progress(len(buf), total)
+    return crc
+
+
 def _checksums(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
-               progress: Callable[[int], None] | None) -> tuple[str, int, list[str]]:
+               progress: Callable[[int, int], None] | None) -> tuple[str, int, list[str]]:
     problems: list[str] = []
     checked = 0
-    with_sidecar = 0
-    for rel in sorted(per_file):
+    files = [rel for rel in sorted(per_file) if os.path.exists(checksum_path(os.path.join(directory, rel)))]
+    total = sum(n for rel in files for _, n, _ in per_file[rel])
+    for rel in files:
         data_path = os.path.join(directory, rel)
-        sidecar = checksum_path(data_path)
-        if not os.path.exists(sidecar):
-            continue
-        with_sidecar += 1
         try:
-            with open(sidecar, "rb") as f:
-                doc = json.loads(f.read())
-            if doc.get("format") != CHECKSUM_FORMAT:
-                raise ValueError(f"unknown format {doc.get('format')!r}")
-            recorded = {(int(r["offset"]), int(r["length"])): int(r["crc32"]) for r in doc["records"]}
+            recorded = _read_sidecar(checksum_path(data_path))
         except (ValueError, KeyError, TypeError) as e:
-            problems.append(f"{rel}{os.path.basename(sidecar)[len(rel):]}: unreadable checksum file ({e})")
+            problems.append(f"{rel}{CHECKSUM_SUFFIX}: unreadable checksum file ({e})")
             continue
-        try:
-            f = open(data_path, "rb")  # noqa: SIM115 - closed below
-        except FileNotFoundError:
+        if not os.path.exists(data_path):
             continue  # reported by check_ranges
-        with f:
+        with open(data_path, "rb") as f:
             for off, n, name in sorted(per_file[rel]):
                 want = recorded.get((off, n))
                 if want is None:
                     problems.append(f"{rel}: no checksum recorded for {name} at {off}+{n}")
                     continue
-                f.seek(off)
-                crc, left = 0, n
-                while left > 0:
-                    buf = f.read(min(_READ_CHUNK, left))
-                    if not buf:
-                        break
-                    crc = zlib.crc32(buf, crc)
-                    left -= len(buf)
-                    if progress is not None:
-                        progress(len(buf))
-                if left > 0:
+                crc = _crc_of_range(f, off, n, progress, total)
+                if crc is None:
                     continue  # truncated: reported by check_ranges
                 checked += 1
                 if crc != want:
                     problems.append(f"{rel}: checksum mismatch for {name} at {off}+{n} "
                                     f"(crc32 {crc:08x}, recorded {want:08x})")
-    status = "absent" if with_sidecar == 0 else ("verified" if with_sidecar == len(per_file) else "partial")
+    status = "absent" if not files else ("verified" if len(files) == len(per_file) else "partial")
     return status, checked, problems
 
 
@@ -180,11 +184,11 @@ def compare_with_prepared(md: Metadata, prepared_path: str | os.PathLike) -> lis
 
 def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | None = None,
                       checksums: bool = True,
-                      progress: Callable[[int], None] | None = None) -> VerifyReport:
+                      progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check the checkpoint directory ``path`` (see the module docstring). Raises
     :class:`~solosave.PreparedMetadataError` if there is no readable ``.metadata``; every other
-    finding is a line in the report's ``problems``. ``progress(n)`` is called with the bytes
-    read while checking checksums."""
+    finding is a line in the report's ``problems``. ``progress(n, total)`` is called with each
+    block of bytes read while checking checksums and the total those reads add up to."""
     directory = os.fspath(path)
     md = _read_metadata(directory)
     results = [(index_key(k), v.relative_path, int(v.offset), int(v.length)) for k, v in md.storage_data.items()]
@@ -205,16 +209,5 @@ def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | 
                         prepared_status, tuple(problems))
 
 
-def checksummed_bytes(path: str | os.PathLike) -> int:
-    """Bytes :func:`verify_checkpoint` reads for checksums (for sizing a progress bar)."""
-    directory = os.fspath(path)
-    md = _read_metadata(directory)
-    total = 0
-    for rel, rs in _ranges_by_file(md.storage_data).items():
-        if os.path.exists(checksum_path(os.path.join(directory, rel))):
-            total += sum(n for _, n, _ in rs)
-    return total
-
-
-__all__ = ["VerifyReport", "check_ranges", "checksummed_bytes", "compare_with_prepared",
+__all__ = ["VerifyReport", "check_ranges", "compare_with_prepared",
            "verify_checkpoint"]

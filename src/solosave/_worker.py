@@ -214,6 +214,8 @@ class ThreadTransport:
         self._thread.start()
         self.pid = os.getpid()
         self.ready = True
+        #: Outcomes that arrived after close() gave up (process transport only; none here).
+        self.leftover: list[JobOutcome] = []
 
     def _run(self) -> None:
         while True:

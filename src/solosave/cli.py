@@ -77,21 +77,25 @@ def _prepare(src: str, out: str, world_size: int | None, workers: int | None) ->
 
 def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, progress: bool) -> int:
     from ._progress import ProgressBar
-    from ._verify import checksummed_bytes, verify_checkpoint
+    from ._verify import verify_checkpoint
 
-    total = checksummed_bytes(path) if checksums else 0
-    bar = ProgressBar(total / 1e6, "verify", unit="MB", enabled=progress and total >= (64 << 20))
+    bars: list[ProgressBar] = []
+
+    def advance(n: int, total: int) -> None:
+        if not bars:  # sized on the first read; drawn only for large checkpoints
+            bars.append(ProgressBar(total / 1e6, "verify", unit="MB", enabled=progress and total >= (64 << 20)))
+        bars[0].update(n / 1e6)
+
     try:
-        report = verify_checkpoint(path, prepared=prepared, checksums=checksums,
-                                   progress=lambda n: bar.update(n / 1e6))
+        report = verify_checkpoint(path, prepared=prepared, checksums=checksums, progress=advance)
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(f"{report.path}: {report.items} items, {report.records} records in {len(report.files)} "
               f"files, {sum(report.files.values())} bytes")
-        print(f"  byte ranges: {'ok' if not any('truncated' in p or 'missing' in p for p in report.problems) else 'PROBLEMS'}")
         print(f"  checksums: {report.checksums}"
               + (f" ({report.checksummed_records} records match)" if report.checksums != "absent" else
                  " (save with checksums=True / --ckpt-checksums to record them)"))
