@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._checkpointer import AsyncCheckpointer, SaveHandle, SaveResult
-from ._errors import FingerprintMismatchError, SolosaveError
+from ._errors import SolosaveError
 from ._prepared import PreparedMetadata, load_prepared_metadata
 from ._publish import METADATA_FILE, atomic_write
 
@@ -137,7 +137,7 @@ def prepared_for_resume(resumed_from: str, world_size: int, workers: int) -> Pre
     try:
         prepared = load_prepared_metadata(resumed_from)
         prepared.check_compatible(world_size, workers)
-    except (FingerprintMismatchError, SolosaveError, OSError) as e:
+    except (SolosaveError, OSError) as e:  # a mismatched or unreadable file: create one instead
         log.warning("solosave: --ckpt-metadata auto: not reusing %s: %s", resumed_from, e)
         return None
     return prepared
