@@ -288,6 +288,15 @@ def validate_chunks(fqn: str, size: tuple[int, ...],
         verdict = _validate_disjoint_along_one_dim(fqn, size, chunks)
         if verdict is not None:
             return verdict
+    return _sweep_chunks(fqn, size, chunks)
+
+
+def _sweep_chunks(fqn: str, size: tuple[int, ...],
+                  chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[str]:
+    """The exact check of :func:`validate_chunks` (bounds, volume, overlap sweep), for a tensor
+    of at least one dimension."""
+    errors: list[str] = []
+    nd = len(size)
     total = math.prod(size)
     vol = 0
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
@@ -479,7 +488,7 @@ class ColumnarPlan:
     assignment_hash: str
 
 
-_TORCH_INT = {"b": torch.int8, "i": torch.int32, "l": torch.int64, "q": torch.int64}
+_TORCH_INT = {"b": torch.int8, "i": torch.int32, "q": torch.int64}
 
 
 def _cat_ints(arrays: Sequence[array]) -> torch.Tensor:
@@ -488,16 +497,8 @@ def _cat_ints(arrays: Sequence[array]) -> torch.Tensor:
     arrays = [a for a in arrays if len(a)]
     if not arrays:
         return torch.zeros(0, dtype=torch.int64)
-    def dtype_of(a: array) -> torch.dtype | None:
-        dt = _TORCH_INT.get(a.typecode)
-        return dt if dt is not None and a.itemsize == torch.empty(0, dtype=dt).element_size() else None
-
-    dtypes = {dtype_of(a) for a in arrays}
-    if len(dtypes) == 1 and None not in dtypes:
-        data = bytearray(b"".join(a.tobytes() for a in arrays))
-        return torch.frombuffer(data, dtype=dtypes.pop()).to(torch.int64)
-    return torch.cat([torch.frombuffer(bytearray(a.tobytes()), dtype=dt).to(torch.int64) if dt is not None
-                      else torch.tensor(a.tolist(), dtype=torch.int64) for a, dt in ((a, dtype_of(a)) for a in arrays)])
+    return torch.cat([torch.frombuffer(bytearray(a), dtype=_TORCH_INT[a.typecode]).to(torch.int64)
+                      for a in arrays])
 
 
 def _cat_u8(chunks: Sequence[bytes]) -> torch.Tensor:
@@ -650,9 +651,10 @@ def plan_from_columns(packed: Sequence[tuple], staged: Sequence[array]) -> Colum
         verdict = None
         if b - a >= _VECTOR_MIN and nd > 0:
             verdict = _tiles_along_one_dim(size, u_offs[a:b, :nd], u_sizes[a:b, :nd])
-        if verdict is None:
+        if verdict is None:  # undecided by the vectorized check (a grid, an overlap): the sweep
             chunks = list(zip(map(tuple, u_offs[a:b, :nd].tolist()), map(tuple, u_sizes[a:b, :nd].tolist())))
-            verdict = not validate_chunks(names[i], size, chunks)
+            verdict = not (_sweep_chunks(names[i], size, chunks) if nd > 0
+                           else validate_chunks(names[i], size, chunks))
         if not verdict:
             return None
     # staged items -> unique ids; every item staged, none twice by one rank

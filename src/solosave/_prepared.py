@@ -74,7 +74,6 @@ def metadata_structure_hash(md: Metadata) -> str:
         rows = sorted((k.fqn, tuple(k.offset) if k.offset is not None else (), v.relative_path, v.offset,
                        v.length) for k, v in (md.storage_data or {}).items())
         h.update(repr(rows).encode())
-        del rows
     return h.hexdigest()[:32]
 
 
