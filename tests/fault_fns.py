@@ -108,6 +108,7 @@ def loaders_refuse(path: str, ws: int) -> tuple[str, str]:
             out.append(type(e).__name__)
         else:
             raise AssertionError(f"{path}: a loader read a checkpoint that has no .metadata")
+    assert out[0] == "PreparedMetadataError", f"solosave.load raised {out[0]}, not its own error"
     return out[0], out[1]
 
 

@@ -43,20 +43,28 @@ class SafeFileSystemReader(FileSystemReader):
                 "earlier checkpoint; `solosave verify` lists every problem.", problems)
         return super().read_data(plan, planner)
 
-    #: ``.metadata`` bytes read by another rank and broadcast (see :func:`load`); ``None``: read
-    #: the file here.
-    shared_metadata: bytes | None = None
+    #: ``.metadata`` parsed before DCP's load started (see :func:`load`); ``None``: read the
+    #: file here (a reader used with stock ``dcp.load``).
+    metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = os.path.join(os.fspath(self.path), METADATA_FILE)
-        data = self.shared_metadata if self.shared_metadata is not None else read_metadata_bytes(self.path)
-        md = safe_loads(data, what=path)
-        if not isinstance(md, Metadata):
-            raise PreparedMetadataError(f"{path}: holds a {type(md).__name__}, not a DCP Metadata")
+        md = self.metadata
+        if md is None:
+            md = parse_metadata(read_metadata_bytes(self.path), self.path)
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
+
+
+def parse_metadata(data: bytes, directory: str | os.PathLike) -> Metadata:
+    """Unpickle ``.metadata`` bytes through the allowlist; a clear error if they are not a
+    DCP ``Metadata``."""
+    path = os.path.join(os.fspath(directory), METADATA_FILE)
+    md = safe_loads(data, what=path)
+    if not isinstance(md, Metadata):
+        raise PreparedMetadataError(f"{path}: holds a {type(md).__name__}, not a DCP Metadata")
+    return md
 
 
 def read_metadata_bytes(path: str | os.PathLike) -> bytes:
@@ -97,14 +105,17 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     Resharding works as in DCP: tensors and DTensors receive the chunks they cover, whatever the
     world size the checkpoint was saved at. ``read_metadata_once``: group rank 0 reads
     ``.metadata`` and broadcasts it (one storage read per load); ``False``: every rank reads it,
-    as stock DCP does. Errors are the same on every rank and derive from ``Exception``.
+    as stock DCP does. Errors are the same on every rank and derive from ``Exception``: a
+    missing or unpublished checkpoint, or an unsafe ``.metadata``, raises solosave's own error
+    before DCP's load starts.
     """
     distributed = dist.is_available() and dist.is_initialized()
     reader = SafeFileSystemReader(path)
-    if distributed and read_metadata_once:
-        reader.shared_metadata = _share_metadata(path, process_group)
-    elif not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist")
+    # Read and parse before DCP's load: DCP would swallow a reader's error into its own
+    # "metadata is None" AssertionError when it falls back to per-rank metadata.
+    data = (_share_metadata(path, process_group) if distributed and read_metadata_once
+            else read_metadata_bytes(path))
+    reader.metadata = parse_metadata(data, path)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner,
                  process_group=process_group, no_dist=not distributed)
