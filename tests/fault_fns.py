@@ -244,6 +244,7 @@ def run_ranks_tolerant(fn: Callable, world_size: int, *args: Any, timeout: float
                 res.setdefault(r, ("hung", None))
                 p.kill()
                 p.join(5)
+            res.setdefault(r, ("died", p.exitcode))  # exited after the last poll, no message
     return res
 
 

@@ -169,7 +169,7 @@ def test_global_metadata_errors_name_the_tensor():
 def test_empty_trailing_chunks_are_valid_and_the_sweep_is_not_quadratic():
     import time
 
-    chunks = _dim0_chunks(11008, 4096, 512) + _dim0_chunks(4096, 11008, 16384)[:0]
+    chunks = _dim0_chunks(11008, 4096, 512)
     assert validate_chunks("up", (11008, 4096), chunks) == []  # 501 non-empty, 11 empty chunks
     wide = _dim0_chunks(4096, 11008, 4096)
     t0 = time.perf_counter()
