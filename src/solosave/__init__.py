@@ -2,14 +2,14 @@
 
 Public API (everything else is private and may change)::
 
-    AsyncCheckpointer, SaveHandle, SaveResult, PhaseTimings, CollectiveCall
+    AsyncCheckpointer, CheckpointerOptions, SaveHandle, SaveResult, PhaseTimings, CollectiveCall
     load, PreparedMetadata, Fingerprint, load_prepared_metadata, save_prepared_metadata
     FileWriter, verify_checkpoint, VerifyReport
     SolosaveError, CheckpointError, LayoutDriftError, WorkerDiedError, CheckpointExistsError,
     CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError, FingerprintMismatchError, SaveTimeoutError
 """
 
-from ._checkpointer import AsyncCheckpointer, PhaseTimings, SaveHandle, SaveResult
+from ._checkpointer import AsyncCheckpointer, SaveHandle
 from ._coordinate import CollectiveCall
 from ._errors import (
     CheckpointError,
@@ -24,7 +24,9 @@ from ._errors import (
     WorkerDiedError,
 )
 from ._load import load
+from ._options import CheckpointerOptions
 from ._prepared import Fingerprint, PreparedMetadata, load_prepared_metadata, save_prepared_metadata
+from ._result import PhaseTimings, SaveResult
 from ._verify import VerifyReport, verify_checkpoint
 from ._write import FileWriter
 
@@ -34,6 +36,7 @@ __all__ = [
     "AsyncCheckpointer",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointerOptions",
     "CollectiveCall",
     "CorruptCheckpointError",
     "FileWriter",

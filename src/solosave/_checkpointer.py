@@ -1,4 +1,4 @@
-"""The public saver: :class:`AsyncCheckpointer`, :class:`SaveHandle`, :class:`SaveResult`.
+"""The public saver: :class:`AsyncCheckpointer` and :class:`SaveHandle`.
 
 Who calls what, in which order (every rank of ``process_group``):
 
@@ -7,90 +7,43 @@ Who calls what, in which order (every rank of ``process_group``):
 2. ``save(state_dict, path)`` - **no collective**: waits for the previous save of this
    checkpointer (bounded), plans locally, stages into host buffers, hands the job to the worker
    and returns a :class:`SaveHandle`. Every rank must call ``save`` for every checkpoint, in the
-   same order.
+   same order. If it raises on some ranks only (bad input on one rank), the save still fails on
+   every rank at once, naming that rank and its error (the raising rank hands the worker a job
+   that fails the save).
 3. ``handle.done()`` - non-blocking, no collective; ``handle.wait(timeout)`` - bounded, returns a
    :class:`SaveResult` or raises :class:`~solosave.CheckpointError` (the same on every rank).
 4. ``close()`` (or leaving the ``with`` block) - waits for the save in flight (bounded), stops
-   the worker and frees the staging memory; no processes, segments or files are left behind.
+   the worker and frees the staging memory; no processes, segments or files are left behind. A
+   checkpointer dropped without ``close()`` is closed when it is garbage-collected.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import warnings
-from dataclasses import dataclass
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ._coordinate import Channel, CollectiveCall, CollectiveCounter, new_gloo_group, share_store_address
-from ._engine import Engine, JobOutcome, Mode, SaveJob
-from ._errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    LayoutDriftError,
-    PreparedMetadataError,
-    SaveTimeoutError,
-    WorkerDiedError,
-)
+from ._coordinate import CollectiveCall, CollectiveCounter, DistChannel, new_gloo_group, share_store_address
+from ._engine import Engine
+from ._errors import CheckpointExistsError, PreparedMetadataError, SaveTimeoutError, WorkerDiedError
+from ._format import METADATA_FILE
 from ._options import CheckpointerOptions
-from ._plan import ItemSpec, LocalPlan, plan_local
 from ._prepared import PreparedMetadata, load_prepared_metadata
-from ._publish import METADATA_FILE
-from ._stage import Stager
-from ._worker import ChannelSpec, ProcessTransport, ThreadTransport
+from ._protocol import ChannelSpec, EngineSettings, ErrorKind, JobOutcome, SaveJob, SaveKind, WorkerSetup
+from ._result import PhaseTimings, SaveResult, error_of
+from ._session import SaveSession, normalize_directory
+from ._worker import ProcessTransport, ThreadTransport
 from ._write import FileWriter
 
 log = logging.getLogger("solosave")
-
-
-@dataclass(frozen=True, slots=True)
-class PhaseTimings:
-    """Seconds per phase of one save, on this rank."""
-
-    plan: float
-    stage: float
-    write: float
-    coordinate: float
-    publish: float
-    #: Time the caller spent inside ``save()`` (the training loop's stall).
-    block: float
-    #: From entering ``save()`` to the background finishing (published, on the coordinator).
-    to_published: float
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    """The outcome of one save on this rank."""
-
-    path: str
-    rank: int
-    #: "collective", "create", "cached", "reuse" or "reuse+fallback".
-    mode: str
-    bytes_written: int
-    timings: PhaseTimings
-    collectives_calling_thread: tuple[CollectiveCall, ...]
-    collectives_background: tuple[CollectiveCall, ...]
-    #: Coordinator: whether it published ``.metadata``; other ranks: ``None``.
-    published: bool | None
-    warnings: tuple[str, ...] = ()
-
-    def collectives(self, where: str = "all") -> dict[str, dict[str, int]]:
-        """``{kind: {"count": n, "bytes": payload}}`` for ``where`` in
-        ``"all"``, ``"calling_thread"``, ``"background"``."""
-        calls = {"all": self.collectives_calling_thread + self.collectives_background,
-                 "calling_thread": self.collectives_calling_thread,
-                 "background": self.collectives_background}[where]
-        out: dict[str, dict[str, int]] = {}
-        for c in calls:
-            d = out.setdefault(c.kind, {"count": 0, "bytes": 0})
-            d["count"] += 1
-            d["bytes"] += c.payload_bytes
-        return out
 
 
 class SaveHandle:
@@ -107,34 +60,24 @@ class SaveHandle:
         self._outcome: JobOutcome | None = None
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
-        self.reported = False
+        #: The user saw this save's result or error (or never had a handle: an aborted save).
+        self.reported = job.abort is not None
 
     def _set(self, outcome: JobOutcome) -> None:
         self._outcome = outcome
         t_start, t_plan, t_stage, t_block = self._t
         tm = outcome.timings
-        if outcome.ok:
-            self._result = SaveResult(
-                path=self.path, rank=self._owner.rank, mode=outcome.mode,
-                bytes_written=outcome.bytes_written,
-                timings=PhaseTimings(t_plan, t_stage, tm.get("write", 0.0), tm.get("coordinate", 0.0),
-                                     tm.get("publish", 0.0), t_block,
-                                     max(outcome.finished_at - t_start, 0.0)),
-                collectives_calling_thread=self._calling,
-                collectives_background=outcome.collectives,
-                published=outcome.published, warnings=outcome.warnings)
-            for w in outcome.warnings:
-                warnings.warn(w, RuntimeWarning, stacklevel=3)
-        elif outcome.error_kind == "drift":
-            self._error = LayoutDriftError(
-                f"save to {self.path} stopped: the layout drifted from the prepared metadata on "
-                f"rank(s) {sorted(outcome.drifts)}; nothing was published (on_layout_drift='raise'). "
-                "Recreate the prepared metadata or use on_layout_drift='fallback'.", outcome.drifts)
-        else:
-            self._error = CheckpointError(
-                f"save to {self.path} failed on rank(s) {sorted(outcome.failures)}; no "
-                f"{METADATA_FILE} was published (the previous checkpoint is untouched)",
-                outcome.failures)
+        if not outcome.ok:
+            self._error = error_of(outcome, self.path)
+            return
+        self._result = SaveResult(
+            path=self.path, rank=self._owner.rank, mode=outcome.kind, bytes_written=outcome.bytes_written,
+            timings=PhaseTimings(t_plan, t_stage, tm.get("write", 0.0), tm.get("coordinate", 0.0),
+                                 tm.get("publish", 0.0), t_block, max(outcome.finished_at - t_start, 0.0)),
+            collectives_calling_thread=self._calling, collectives_background=outcome.collectives,
+            published=outcome.published, warnings=outcome.warnings)
+        for w in outcome.warnings:
+            warnings.warn(w, RuntimeWarning, stacklevel=3)
 
     def done(self) -> bool:
         if self._outcome is None:
@@ -149,8 +92,33 @@ class SaveHandle:
         self.reported = True
         if self._error is not None:
             raise self._error
-        assert self._result is not None  # noqa: S101
+        if self._result is None:
+            raise RuntimeError("internal: a finished save without result or error")
         return self._result
+
+
+class _Resources:
+    """What a checkpointer must release however it ends (see ``weakref.finalize`` below)."""
+
+    def __init__(self) -> None:
+        self.transport: ProcessTransport | ThreadTransport | None = None
+        self.session: SaveSession | None = None
+        self.group: Any = None
+        self.store: Any = None
+
+    def release(self, timeout: float) -> None:
+        try:
+            if self.transport is not None:
+                self.transport.close(timeout)
+        finally:
+            if self.session is not None:
+                self.session.close()
+            if self.group is not None:
+                try:
+                    dist.destroy_process_group(self.group)
+                except Exception:  # noqa: BLE001,S110 - already gone with the default group
+                    pass
+            self.store = None
 
 
 class AsyncCheckpointer:
@@ -159,49 +127,19 @@ class AsyncCheckpointer:
     Args:
         process_group: the ranks that save together (default: the world group). Works with gloo
             and NCCL; the background uses its own gloo channel, never this group's stream.
-        workers: files (and writer threads) per rank.
-        persistent_worker: one spawned worker process per rank, reused by every save (default);
-            ``False`` runs the background in a thread of this process (needs every rank of the
-            *world* to construct the checkpointer, for ``new_group``).
-        prepared_metadata: reuse mode - a prepared-metadata path, ``Metadata`` or
-            :class:`PreparedMetadata`; every save then needs one 8-byte ``all_reduce``.
-        create_prepared_metadata: the first save creates the ``prepared_metadata`` file if it
-            does not exist (collective path once), then every save reuses it.
-        assume_constant_structure: without prepared metadata, stop gathering plans once two
-            consecutive saves had the same global plan (write results are still gathered).
-        on_layout_drift: ``"fallback"`` (default) or ``"raise"``, for a reuse save whose written
-            layout no longer matches the prepared metadata.
-        timeout: seconds; bounds every wait, the worker's start and each collective.
         writer: a :class:`~solosave.FileWriter` (subclass) that writes the files.
-        checksums: record a CRC32 of every record in a sidecar next to each data file
-            (``__{rank}_{n}.distcp.crc32``), checked by ``solosave verify``; off by default
-            (it costs one CRC pass over the bytes, in the background). Same as
-            ``writer=FileWriter(checksums=True)``.
+        options: a :class:`~solosave.CheckpointerOptions`, or its fields as keywords:
+            ``workers``, ``persistent_worker``, ``prepared_metadata``, ``create_prepared_metadata``,
+            ``assume_constant_structure``, ``on_layout_drift``, ``timeout``, ``checksums``,
+            ``staging_dir`` (each documented on ``CheckpointerOptions``).
     """
 
-    def __init__(self, process_group: Any = None, workers: int = 1, persistent_worker: bool = True,
-                 prepared_metadata: Any = None, create_prepared_metadata: bool = False,
-                 assume_constant_structure: bool = False, on_layout_drift: str = "fallback",
-                 timeout: float = 600.0, writer: FileWriter | None = None,
-                 checksums: bool = False) -> None:
-        self.options = CheckpointerOptions(
-            workers=workers, persistent_worker=persistent_worker,
-            prepared_metadata=prepared_metadata, create_prepared_metadata=create_prepared_metadata,
-            assume_constant_structure=assume_constant_structure, on_layout_drift=on_layout_drift,
-            timeout=timeout)
-        if writer is not None and not isinstance(writer, FileWriter):
-            raise TypeError(f"writer must be a solosave.FileWriter, got {type(writer).__name__}")
-        if persistent_worker and writer is not None and type(writer).__module__ == "__main__":
-            raise ValueError(
-                f"writer class {type(writer).__name__} is defined in the main script, which the "
-                "worker process does not import; define it in an importable module, or pass "
-                "persistent_worker=False")
-        if checksums:
-            if writer is None:
-                writer = FileWriter(checksums=True)
-            elif not writer.checksums:
-                raise ValueError("checksums=True with a writer whose checksums are off: construct "
-                                 "the writer with checksums=True (FileWriter(checksums=True)) instead")
+    def __init__(self, process_group: Any = None, *, writer: FileWriter | None = None,
+                 options: CheckpointerOptions | None = None, **kwargs: Any) -> None:
+        if options is not None and kwargs:
+            raise TypeError("pass either options=CheckpointerOptions(...) or its fields as keywords, not both")
+        self.options = options if options is not None else CheckpointerOptions(**kwargs)
+        writer = _check_writer(writer, self.options)
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("torch.distributed is not initialised: call "
                              "torch.distributed.init_process_group(...) before creating an "
@@ -209,27 +147,30 @@ class AsyncCheckpointer:
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self._prepared: PreparedMetadata | None = self._initial_prepared()
-        self._token = 1 if self._prepared is not None else 0
-        self._sent_token = 0
         self._setup_counter = CollectiveCounter()
-        self._stager = Stager()
-        self._seq = 0
         self._inflight: SaveHandle | None = None
         self._closed = False
-        self._store = None
-        self._group = None
-        self._written: frozenset | None = None
-        self._known_hash: str | None = None
-        self._cache_validated = False
-        if persistent_worker:
-            self._store, (host, port, prefix) = share_store_address(
-                process_group, self._setup_counter, timeout)
-            spec = ChannelSpec(host, port, prefix, self.rank, self.world_size, float(timeout))
-            self._transport: ProcessTransport | ThreadTransport = ProcessTransport(spec, workers, writer)
-        else:
-            self._group = new_gloo_group(process_group, self._setup_counter, timeout)
-            self._transport = ThreadTransport(Engine(Channel(self._group, CollectiveCounter()), workers, writer))
+        self._submit_error: BaseException | None = None
+        self._res = _Resources()
+        self._res.session = SaveSession(self.rank, self.world_size, self.options, self._initial_prepared())
+        self._finalizer = weakref.finalize(self, self._res.release, 5.0)
+        self._start_background(writer)
+
+    def _start_background(self, writer: FileWriter | None) -> None:
+        o = self.options
+        settings = EngineSettings(o.workers, o.on_layout_drift, o.writable_prepared_path)
+        self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
+        if o.persistent_worker:
+            spec = ChannelSpec(host, port, prefix, self.rank, self.world_size, float(o.timeout))
+            self._res.transport = ProcessTransport(WorkerSetup(spec, settings, writer, os.getpid()))
+            return
+        import datetime
+
+        self._res.group = new_gloo_group(self.process_group, self._setup_counter, o.timeout)
+        client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=o.timeout))
+        receipts = dist.PrefixStore(prefix + "receipts/", client)
+        channel = DistChannel(self._res.group, CollectiveCounter(), store=receipts, timeout=o.timeout)
+        self._res.transport = ThreadTransport(Engine(channel, settings, writer))
 
     # -- prepared metadata ----------------------------------------------------------------
     def _initial_prepared(self) -> PreparedMetadata | None:
@@ -255,8 +196,18 @@ class AsyncCheckpointer:
 
     @property
     def prepared(self) -> PreparedMetadata | None:
-        """The prepared metadata in use (``None`` until created in create mode)."""
-        return self._prepared
+        """The prepared metadata in use (``None`` until the first save makes it)."""
+        return self._session.prepared
+
+    @property
+    def _session(self) -> SaveSession:
+        assert self._res.session is not None  # noqa: S101 - set in __init__
+        return self._res.session
+
+    @property
+    def _transport(self) -> ProcessTransport | ThreadTransport:
+        assert self._res.transport is not None  # noqa: S101 - set in __init__
+        return self._res.transport
 
     @property
     def worker_pid(self) -> int:
@@ -269,7 +220,8 @@ class AsyncCheckpointer:
 
         Waits first (at most ``timeout``) for this checkpointer's previous save: one save is in
         flight at a time, so two saves never interleave and staging memory stays bounded. Every
-        rank must call ``save`` with the same ``path``. No collective is called here.
+        rank must call ``save`` with the same ``path``. No collective is called here. Values with
+        ``state_dict()``/``load_state_dict()`` at the top level are saved as their state dict.
         """
         if self._closed:
             raise ValueError("this AsyncCheckpointer is closed; create a new one")
@@ -278,35 +230,46 @@ class AsyncCheckpointer:
         mark = self._setup_counter.mark()
         if self._inflight is not None:
             self._wait_for(self._inflight, self.options.timeout)
-        directory = self._check_destination(path, overwrite)
-        t0 = time.perf_counter()
-        plan = plan_local(state_dict)
-        mode, to_stage, layout, drift = self._choose(plan)
-        t1 = time.perf_counter()
-        staged = self._stager.stage(to_stage, plan.values)
-        t2 = time.perf_counter()
-        self._seq += 1
-        send_prepared = None
-        if mode is Mode.REUSE and self._sent_token != self._token:
-            send_prepared = self._prepared
-            self._sent_token = self._token
-        job = SaveJob(
-            seq=self._seq, directory=directory, mode=mode, staged=staged, held=tuple(plan.specs),
-            structure_hash=plan.structure_hash, planner_data=plan.planner_data, layout=layout,
-            local_drift=tuple(drift), prepared_token=self._token, prepared=send_prepared,
-            prepared_path=self.options.prepared_path,
-            create_prepared=self.options.create_prepared_metadata and self._prepared is None,
-            on_layout_drift=self.options.on_layout_drift, submitted_at=time.time())
-        self._transport.submit(job)
-        calling = tuple(self._setup_counter.since(mark))
-        handle = SaveHandle(self, job, t_start, t1 - t0, t2 - t1, time.perf_counter() - p0, calling)
+        try:
+            directory = self._check_destination(path, overwrite)
+            built = self._session.build(state_dict, directory)
+        except Exception as e:
+            abort = self._session.abort(normalize_directory(path), e)
+            self._inflight = SaveHandle(self, abort, t_start, 0.0, 0.0, 0.0, ())
+            try:
+                self._submit(abort, None)
+            except WorkerDiedError:  # nothing to fail: the next save reports the dead worker
+                self._inflight = None
+            raise
+        handle = SaveHandle(self, built.job, t_start, built.plan_s, built.stage_s,
+                            time.perf_counter() - p0, tuple(self._setup_counter.since(mark)))
         self._inflight = handle
+        self._submit(built.job, built.cuda_event)
         return handle
+
+    def _submit(self, job: SaveJob, cuda_event: Any) -> None:
+        """Hand ``job`` to the worker; after a CUDA staging, from a thread that first waits for
+        the copies (the training thread goes on; no CUDA object reaches the worker)."""
+        if cuda_event is None:
+            self._transport.submit(job)
+            return
+
+        def after_copies() -> None:
+            try:
+                cuda_event.synchronize()
+                self._transport.submit(job)
+            except BaseException as e:  # noqa: BLE001 - reported by the handle
+                self._submit_error = e
+
+        threading.Thread(target=after_copies, name="solosave-submit", daemon=True).start()
 
     def _check_destination(self, path: str | os.PathLike, overwrite: bool) -> str:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         p = Path(path)
+        if any(len(os.fsencode(part)) > 255 for part in p.parts):
+            raise ValueError(f"destination {os.fspath(p)!r} has a name longer than 255 bytes, the "
+                             "file-system limit; choose a shorter name")
         if p.exists() and not p.is_dir():
             raise ValueError(f"destination {os.fspath(p)!r} exists and is not a directory")
         if (p / METADATA_FILE).exists() and not overwrite:
@@ -323,64 +286,24 @@ class AsyncCheckpointer:
                              "writable location or fix its permissions")
         return os.fspath(p)
 
-    def _choose(self, plan: LocalPlan) -> tuple[Mode, list[ItemSpec], tuple, list[str]]:
-        """Pick the mode (identical on every rank: it depends only on shared outcomes) and what
-        to stage (this rank's writes when the structure is known; all it owns otherwise)."""
-        owned = [s for s in plan.specs if s.owner]
-        if self._prepared is not None:
-            pm = self._prepared
-            layout = pm.rank_files(self.rank)
-            drift: list[str] = []
-            sizes = pm.chunk_sizes
-            for _, items in layout:
-                for p in items:
-                    s = plan.by_key.get(p.key)
-                    if s is None:
-                        drift.append(f"{p.key[0]}: prepared on this rank but not in its state dict")
-                    elif s.offsets is not None and sizes.get(p.key) != s.sizes:
-                        drift.append(f"{s.fqn}: chunk size {list(s.sizes or ())} differs from the prepared one")
-            for s in plan.specs:
-                msg = pm.spec_matches(s)
-                if msg:
-                    drift.append(msg)
-            if drift:
-                return Mode.REUSE, owned, layout, drift
-            return Mode.REUSE, [plan.by_key[p.key] for _, items in layout for p in items], layout, []
-        if self._cache_validated:
-            if plan.structure_hash == self._known_hash and self._written is not None:
-                return Mode.CACHED, [s for s in plan.specs if s.key in self._written], (), []
-            return Mode.CACHED, owned, (), ["the structure of this rank's state dict changed"]
-        return Mode.COLLECTIVE, owned, (), []
-
     # -- completion -------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
         """Take at most one outcome from the worker (bounded) and attach it to its handle."""
         h = self._inflight
         if h is None or h._outcome is not None:
             return
-        outcome = self._transport.poll(timeout)
+        if self._submit_error is not None:
+            e, self._submit_error = self._submit_error, None
+            outcome = JobOutcome(h.seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED,
+                                 failures={self.rank: f"staging on the device failed: {type(e).__name__}: {e}"})
+        else:
+            outcome = self._transport.poll(timeout)
         if outcome is None:
             return
-        if outcome.seq != h.seq:  # pragma: no cover - one save in flight
+        if outcome.seq != h.seq:
             raise RuntimeError(f"internal: outcome for save {outcome.seq}, expected {h.seq}")
-        self._absorb(outcome)
+        self._session.absorb(outcome)
         h._set(outcome)
-
-    def _absorb(self, outcome: JobOutcome) -> None:
-        if outcome.ok:
-            self._written = outcome.written_keys
-            self._known_hash = self._inflight._job.structure_hash if self._inflight else None
-            self._cache_validated = (self.options.assume_constant_structure and self._prepared is None
-                                     and outcome.cache_validated)
-            if outcome.prepared_metadata is not None:
-                self._prepared = PreparedMetadata.from_metadata(
-                    outcome.prepared_metadata, self.world_size, self.options.workers,
-                    source=self.options.prepared_path or "created in memory")
-                self._token += 1
-                self._cache_validated = False
-        else:
-            self._cache_validated = False
-            self._written = None
 
     def _wait_for(self, handle: SaveHandle, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -396,7 +319,7 @@ class AsyncCheckpointer:
     def wait_all(self, timeout: float | None = None) -> list[SaveResult]:
         """Wait for the save in flight; return its result or raise its error."""
         h = self._inflight
-        if h is None:
+        if h is None or h._job.abort is not None:
             return []
         return [h.wait(timeout)]
 
@@ -407,13 +330,12 @@ class AsyncCheckpointer:
         checkpointer's ``timeout``), for the save in flight: normally that save **finishes**
         and is published, and its handle reports the result. If it does not finish in time (a
         stuck write, a peer that does not answer) the save is **abandoned**: the worker is
-        stopped (asked, then terminated), nothing more of it is written, and its handle's
-        ``wait()`` raises :class:`~solosave.CheckpointError` saying so; since ``.metadata`` is
-        published last and atomically, the checkpoint is then either complete (the save got
-        that far) or has no ``.metadata``; the previous checkpoints are untouched. ``close()``
-        itself never raises for a failed or abandoned save (it logs a warning), takes at most
-        about ``2 * min(timeout, 30) + 5`` seconds beyond the save's wait, and leaves no worker
-        process or shared-memory segment behind. Idempotent.
+        stopped, nothing more of it is written, and its handle's ``wait()`` raises
+        :class:`~solosave.CheckpointError` saying so; since ``.metadata`` is published last and
+        atomically, the checkpoint is then either complete or has no ``.metadata``; the previous
+        checkpoints are untouched. ``close()`` itself never raises (it logs a warning), takes at
+        most about ``min(timeout, 30) + 10`` seconds beyond the save's wait, and leaves no worker
+        process or staging buffer behind. Idempotent.
         """
         if self._closed:
             return
@@ -424,32 +346,29 @@ class AsyncCheckpointer:
             if h is not None and h._outcome is None:
                 try:
                     self._wait_for(h, t)
-                except WorkerDiedError:
-                    pass  # the handle reports it (see below)
                 except Exception as e:  # noqa: BLE001 - close never raises for a failed save
-                    log.warning("solosave: closing with an unfinished save to %s: %s", h.path, e)
+                    if not isinstance(e, WorkerDiedError):
+                        log.warning("solosave: closing with an unfinished save to %s: %s", h.path, e)
             if h is not None and h._error is not None and not h.reported:
                 log.warning("solosave: save to %s failed and was never waited for: %s", h.path, h._error)
         finally:
+            self._finalizer.detach()
             try:
-                self._transport.close(min(t, 30.0))
-            finally:
-                self._stager.close()
-                if self._group is not None:
-                    try:
-                        dist.destroy_process_group(self._group)
-                    except Exception:  # noqa: BLE001,S110
-                        pass
-                self._store = None
-                if h is not None and h._outcome is None:  # abandoned: settle its handle
-                    late = [o for o in self._transport.leftover if o.seq == h.seq]
-                    published = os.path.exists(os.path.join(h.path, METADATA_FILE))
-                    h._set(late[0] if late else JobOutcome(
-                        h.seq, False, h._job.mode.value, error_kind="failed", failures={
-                            self.rank: f"abandoned by close(): the save did not finish within {t:g} s "
-                            "and this rank's worker was stopped; " + (
-                                f"{METADATA_FILE} exists (the coordinator published it before it was "
-                                "stopped)" if published else f"no {METADATA_FILE} was published")}))
+                self._res.release(min(t, 30.0))
+            except Exception as e:  # noqa: BLE001 - close never raises
+                log.warning("solosave: releasing the checkpointer's resources: %s", e)
+            if h is not None and h._outcome is None:
+                self._settle_abandoned(h, t)
+
+    def _settle_abandoned(self, h: SaveHandle, t: float) -> None:
+        late = [o for o in self._transport.leftover if o.seq == h.seq]
+        published = os.path.exists(os.path.join(h.path, METADATA_FILE))
+        h._set(late[0] if late else JobOutcome(
+            h.seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED, published=published, failures={
+                self.rank: f"abandoned by close(): the save did not finish within {t:g} s "
+                "and this rank's worker was stopped; " + (
+                    f"{METADATA_FILE} exists (the coordinator published it before it was "
+                    "stopped)" if published else f"no {METADATA_FILE} was published")}))
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
@@ -457,3 +376,19 @@ class AsyncCheckpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+def _check_writer(writer: FileWriter | None, options: CheckpointerOptions) -> FileWriter | None:
+    if writer is not None and not isinstance(writer, FileWriter):
+        raise TypeError(f"writer must be a solosave.FileWriter, got {type(writer).__name__}")
+    if options.persistent_worker and writer is not None and type(writer).__module__ == "__main__":
+        raise ValueError(
+            f"writer class {type(writer).__name__} is defined in the main script, which the "
+            "worker process does not import; define it in an importable module, or pass "
+            "persistent_worker=False")
+    if options.checksums:
+        if writer is None:
+            return FileWriter(checksums=True)
+        if not writer.checksums:
+            raise ValueError("checksums=True with a writer whose checksums are off: construct "
+                             "the writer with checksums=True (FileWriter(checksums=True)) instead")
+    return writer

@@ -12,20 +12,50 @@ performs its own collectives (a gather of load plans and a scatter, in DCP's cod
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ._coordinate import Channel
-from ._errors import CorruptCheckpointError, PreparedMetadataError
-from ._publish import METADATA_FILE
+from ._coordinate import DistChannel
+from ._errors import CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError
+from ._format import METADATA_FILE, check_ranges
 from ._safe_pickle import safe_loads
-from ._verify import check_ranges
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor records are unpickled with
+    ``torch.load(weights_only=True)``: only torch's safe types and the classes in
+    ``safe_globals`` (the caller's own, trusted types) can be loaded; a crafted record that
+    names anything else raises :class:`~solosave.UnsafeMetadataError` and executes nothing."""
+
+    def __init__(self, safe_globals: Sequence[Any] = (), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.safe_globals = list(safe_globals)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            with torch.serialization.safe_globals(self.safe_globals):
+                obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeMetadataError(
+                f"refusing to load the record of {fqn!r}: {str(e).splitlines()[0]} Nothing was executed. If "
+                "the checkpoint is yours and holds your own classes, pass them as "
+                "solosave.load(..., safe_globals=[YourClass])") from None
+        if self.flatten_state_dict:
+            _set_at(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -57,6 +87,26 @@ class SafeFileSystemReader(FileSystemReader):
         return md
 
 
+def _set_at(root: Any, path: Sequence[Any], value: Any) -> None:
+    """Put ``value`` at the object path ``path`` of nested dicts and lists (DCP's flattening
+    paths), creating containers on the way as DCP does."""
+    node = root
+    for key, nxt in zip(path[:-1], path[1:]):
+        if isinstance(node, list):
+            while len(node) <= key:
+                node.append(None)
+            if node[key] is None:
+                node[key] = [] if isinstance(nxt, int) else {}
+            node = node[key]
+        else:
+            node = node.setdefault(key, [] if isinstance(nxt, int) else {})
+    last = path[-1]
+    if isinstance(node, list):
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value
+
+
 def parse_metadata(data: bytes, directory: str | os.PathLike) -> Metadata:
     """Unpickle ``.metadata`` bytes through the allowlist; a clear error if they are not a
     DCP ``Metadata``."""
@@ -82,7 +132,7 @@ def read_metadata_bytes(path: str | os.PathLike) -> bytes:
 
 def _share_metadata(path: str | os.PathLike, process_group: Any) -> bytes:
     """Group rank 0 reads ``.metadata``; every rank receives its bytes or raises rank 0's error."""
-    ch = Channel(process_group)
+    ch = DistChannel(process_group)
     payload: tuple[str, Any] | None = None
     if ch.is_coordinator:
         try:
@@ -98,7 +148,7 @@ def _share_metadata(path: str | os.PathLike, process_group: Any) -> bytes:
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: Any = None,
-         planner: Any = None, read_metadata_once: bool = True) -> None:
+         planner: Any = None, read_metadata_once: bool = True, safe_globals: Sequence[Any] = ()) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective over
     ``process_group`` when torch.distributed is initialised; one process otherwise).
 
@@ -107,7 +157,11 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     ``.metadata`` and broadcasts it (one storage read per load); ``False``: every rank reads it,
     as stock DCP does. Errors are the same on every rank and derive from ``Exception``: a
     missing or unpublished checkpoint, or an unsafe ``.metadata``, raises solosave's own error
-    before DCP's load starts.
+    before DCP's load starts. Loading is safe against crafted checkpoints: ``.metadata`` is
+    unpickled through an allowlist, non-tensor records with ``torch.load(weights_only=True)``
+    (extend what they may hold with ``safe_globals``; a custom ``planner`` decides for itself),
+    and every file read must lie inside the checkpoint directory. Top-level values with
+    ``load_state_dict()`` (modules, optimizers) are loaded into, as DCP does.
     """
     distributed = dist.is_available() and dist.is_initialized()
     reader = SafeFileSystemReader(path)
@@ -117,6 +171,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
             else read_metadata_bytes(path))
     reader.metadata = parse_metadata(data, path)
     try:
+        if planner is None:
+            planner = SafeLoadPlanner(safe_globals)
         dcp.load(state_dict, storage_reader=reader, planner=planner,
                  process_group=process_group, no_dist=not distributed)
     except CheckpointException as e:
@@ -124,7 +180,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
         # first: they are the same on every rank) so that ``except Exception`` sees it.
         inner = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
         for exc in inner:
-            if isinstance(exc, (CorruptCheckpointError, PreparedMetadataError)):
+            if isinstance(exc, (CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError)):
                 raise exc from e
         for exc in inner:
             if isinstance(exc, Exception):

@@ -1,57 +1,144 @@
-"""Checkpointer options: one frozen dataclass, validated once at construction."""
+"""Checkpointer options: declared once, here, for the API, the command-line flags and validation.
+
+Each knob is a field of :class:`CheckpointerOptions` whose :func:`option` metadata names its
+Megatron-style flag and help text; ``solosave.integrations.add_checkpoint_args`` generates the
+flags from these fields and :func:`options_from_args` builds the options back, so a knob is
+declared (and validated) in exactly one place. ``__post_init__`` raises :class:`OptionError`
+(a ``ValueError``) naming the option; from the command line the flag is named instead.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ._format import METADATA_FILE
 from ._prepared import PreparedMetadata
 
 DRIFT_POLICIES = ("fallback", "raise")
 
 
+def option(default: Any, *, flag: str, help: str, metavar: str | None = None,  # noqa: A002 - argparse's name
+           cli_default: Any = dataclasses.MISSING, choices: tuple | None = None) -> Any:
+    """A dataclass field with its command-line flag. ``cli_default``: the flag's default when it
+    differs from the API's (Megatron's flags are opt-in)."""
+    return field(default=default, metadata={"flag": flag, "help": help, "metavar": metavar,
+                                            "cli_default": cli_default, "choices": choices})
+
+
+class OptionError(ValueError):
+    """An option has a bad value; ``option`` names it (a field name)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.option = name
+        super().__init__(f"{name} {message}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointerOptions:
-    """Options of :class:`~solosave.AsyncCheckpointer` (see its docstring for each)."""
+    """Options of :class:`~solosave.AsyncCheckpointer`; every field says when to change it."""
 
-    workers: int = 1
-    """Writer threads per rank = data files per rank (``__{rank}_{0..workers-1}.distcp``)."""
-    persistent_worker: bool = True
-    """One spawned process per rank, reused across saves; ``False``: a thread in this process."""
-    prepared_metadata: str | os.PathLike | Metadata | PreparedMetadata | None = None
-    """Reuse mode: a prepared file path (or a ``Metadata`` / ``PreparedMetadata`` object)."""
-    create_prepared_metadata: bool = False
-    """The first save creates ``prepared_metadata`` (a path) if it is absent, then reuses it."""
-    assume_constant_structure: bool = False
-    """Without prepared metadata: skip the planning gather once two saves had the same plan."""
-    on_layout_drift: str = "fallback"
-    """``"fallback"``: a drifted reuse save takes the collective path; ``"raise"``: it fails."""
-    timeout: float = 600.0
-    """Seconds: bound of every wait (worker start, a save's completion, collectives)."""
+    workers: int = option(1, flag="--dist-ckpt-workers", metavar="N", help=(
+        "files (writer threads) per rank: __{rank}_{0..N-1}.distcp (default 1); more helps when "
+        "one writer thread cannot saturate the storage"))
+    persistent_worker: bool = option(True, flag="--use-persistent-ckpt-worker", cli_default=False, help=(
+        "write in one spawned worker process per rank, reused by every save (the API's default); "
+        "without it a background thread of the trainer writes"))
+    prepared_metadata: str | os.PathLike | Metadata | PreparedMetadata | None = option(
+        None, flag="--ckpt-metadata", metavar="FILE|auto", help=(
+            "prepared metadata to reuse: every save then needs one 8-byte all_reduce. 'auto' (flag "
+            "only): the .metadata of the checkpoint resumed from, if it fits this run, else one is "
+            "created at the first save in <save>/prepared.metadata"))
+    create_prepared_metadata: bool = option(False, flag="--ckpt-metadata-create", help=(
+        "create the prepared metadata file at the first save if it does not exist (collective "
+        "path once), then reuse it"))
+    assume_constant_structure: bool = option(False, flag="--ckpt-assume-constant-structure", help=(
+        "without a prepared file: the first save's metadata is kept in memory and every later "
+        "save reuses it (one all_reduce); a changed layout falls back as in reuse mode"))
+    on_layout_drift: str = option("fallback", flag="--ckpt-on-layout-drift", choices=DRIFT_POLICIES, help=(
+        "a reuse save whose layout no longer matches: 'fallback' (default) saves it collectively "
+        "and refreshes the prepared metadata; 'raise' fails it"))
+    timeout: float = option(600.0, flag="--ckpt-timeout", metavar="SECONDS", help=(
+        "bound of every checkpoint wait: the worker's start, a save's completion, each collective "
+        "(default 600)"))
+    checksums: bool = option(False, flag="--ckpt-checksums", help=(
+        "record a CRC32 of every record next to each data file, for `solosave verify` (one CRC "
+        "pass in the background)"))
+    staging_dir: str | None = option(None, flag="--ckpt-staging-dir", metavar="DIR", help=(
+        "stage in memory-mapped files in DIR instead of /dev/shm (also $SOLOSAVE_STAGING_DIR); "
+        "solosave falls back to the temporary directory by itself when /dev/shm is too small"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
-            raise ValueError(f"workers must be an int >= 1 (files per rank), got {self.workers!r}")
+            raise OptionError("workers", f"must be an int >= 1 (files per rank), got {self.workers!r}")
         if self.on_layout_drift not in DRIFT_POLICIES:
-            raise ValueError(f"on_layout_drift must be one of {DRIFT_POLICIES}, got {self.on_layout_drift!r}")
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+            raise OptionError("on_layout_drift", f"must be one of {DRIFT_POLICIES}, got {self.on_layout_drift!r}")
+        if not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool) and self.timeout > 0):
+            raise OptionError("timeout", f"must be a positive number of seconds, got {self.timeout!r}")
         pm = self.prepared_metadata
         if pm is not None and not isinstance(pm, (str, os.PathLike, Metadata, PreparedMetadata)):
             raise TypeError("prepared_metadata must be a path, a torch.distributed.checkpoint "
                             f"Metadata or a solosave.PreparedMetadata, got {type(pm).__name__}")
         if self.create_prepared_metadata:
             if pm is None:
-                raise ValueError("create_prepared_metadata=True needs prepared_metadata=<path> "
-                                 "naming the file to create (e.g. prepared_metadata='prepared.metadata')")
+                raise OptionError("create_prepared_metadata", "needs prepared_metadata naming the file to "
+                                  "create (e.g. prepared_metadata='prepared.metadata')")
             if isinstance(pm, (Metadata, PreparedMetadata)):
-                raise ValueError("create_prepared_metadata=True needs a file path, not a Metadata "
-                                 "object: pass the path to create, or drop create_prepared_metadata "
-                                 "to reuse the object as it is")
+                raise OptionError("create_prepared_metadata", "needs a file path, not a Metadata object: "
+                                  "pass the path to create, or drop create_prepared_metadata to reuse "
+                                  "the object as it is")
 
     @property
     def prepared_path(self) -> str | None:
+        """The prepared file named by ``prepared_metadata``, if it is a path."""
         pm = self.prepared_metadata
         return os.fspath(pm) if isinstance(pm, (str, os.PathLike)) else None
 
+    @property
+    def writable_prepared_path(self) -> str | None:
+        """Where a created or refreshed prepared metadata may be written: never into a
+        checkpoint (its ``.metadata``, or a checkpoint directory given as the source)."""
+        path = self.prepared_path
+        if path is None or os.path.basename(path) == METADATA_FILE or os.path.isdir(path):
+            return None
+        return path
+
+    @property
+    def makes_prepared(self) -> bool:
+        """The first collective save's metadata becomes the prepared metadata."""
+        return self.create_prepared_metadata or self.assume_constant_structure
+
+
+def add_option_flags(group: Any, cls: type = CheckpointerOptions) -> None:
+    """Add one flag per field of ``cls`` (an options dataclass declared with :func:`option`)."""
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        default = f.default if meta["cli_default"] is dataclasses.MISSING else meta["cli_default"]
+        if f.type in (bool, "bool"):
+            group.add_argument(meta["flag"], dest=f.name, action="store_true", default=default, help=meta["help"])
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type), None)
+        group.add_argument(meta["flag"], dest=f.name, type=kind, default=default, metavar=meta["metavar"],
+                           choices=meta["choices"], help=meta["help"])
+
+
+def flag_of(name: str, cls: type = CheckpointerOptions) -> str:
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata["flag"]
+    return name
+
+
+def options_from_args(args: argparse.Namespace, cls: type = CheckpointerOptions, **overrides: Any) -> Any:
+    """Build ``cls`` from parsed flags; a bad value raises ``ValueError`` naming the flag."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    kw.update(overrides)
+    try:
+        return cls(**kw)
+    except OptionError as e:
+        raise ValueError(str(e).replace(e.option, flag_of(e.option, cls), 1)) from e

@@ -14,140 +14,20 @@ holds as an :class:`ItemSpec`: the structure of the item, never its values.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import io
 import zlib
-from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ._format import ItemKey, dtype_name
+from ._protocol import ItemKind, ItemSpec
+
 #: An object path inside a nested state dict: the key/index sequence DCP calls ``OBJ_PATH``.
 ObjPath = tuple[str | int, ...]
-#: An item's identity: its flattened key and, for tensors, the chunk offsets.
-ItemKey = tuple[str, tuple[int, ...] | None]
-
-
-class ItemKind(enum.IntEnum):
-    TENSOR = 0
-    BYTES = 1
-
-
-@dataclass(frozen=True, slots=True)
-class ItemSpec:
-    """The structure of one item of this rank's state (no values).
-
-    ``nbytes`` is the raw tensor size (numel x element size) for tensors and ``0`` for BYTES
-    items, whose serialized size depends on the value.
-    """
-
-    fqn: str
-    kind: ItemKind
-    offsets: tuple[int, ...] | None = None
-    sizes: tuple[int, ...] | None = None
-    global_size: tuple[int, ...] | None = None
-    dtype: str | None = None
-    nbytes: int = 0
-    #: False when this rank holds a DTensor replica that another replica writes.
-    owner: bool = True
-
-    @property
-    def key(self) -> ItemKey:
-        return (self.fqn, self.offsets)
-
-    def describe(self) -> str:
-        if self.kind is ItemKind.BYTES:
-            return f"{self.fqn} (bytes)"
-        return f"{self.fqn} {self.dtype}{list(self.global_size or ())} chunk@{list(self.offsets or ())}"
-
-    def compact(self) -> tuple:
-        """A small tuple for gather payloads (see :func:`spec_from_compact`)."""
-        return (self.fqn, int(self.kind), self.offsets, self.sizes, self.global_size, self.dtype,
-                self.nbytes)
-
-
-def spec_from_compact(t: tuple) -> ItemSpec:
-    fqn, kind, offsets, sizes, gsize, dtype, nbytes = t
-    return ItemSpec(fqn, ItemKind(kind), offsets, sizes, gsize, dtype, nbytes)
-
-
-def pack_specs(specs: list[ItemSpec]) -> tuple:
-    """One rank's items in columnar form, for the planning gather: a few Python objects per
-    rank instead of one tuple per item, so that the coordinator unpickles and merges W ranks'
-    items with array operations (see ``Engine._global_plan``).
-
-    ``("cols", fqns, kinds, dtype_table, dtype_index, nbytes, ndims, numbers)``: ``fqns`` a list
-    of str; ``kinds`` and ``dtype_index`` bytes (one per item; ``dtype_table`` the distinct
-    dtype names, ``None`` included); ``nbytes`` and ``ndims`` integer arrays (``ndims`` -1 when
-    offsets, sizes and global size are all ``None``); ``numbers`` an integer array holding, per
-    item with ``ndims >= 0``, its offsets, sizes and global size (``3 * ndims`` values); each
-    array with the smallest signed typecode that holds its values ("b", "i" or "q").
-    Items that do not fit this form (offsets, sizes and global size of different lengths or only
-    partly ``None``, values outside int64) make the whole payload
-    ``("specs", [spec.compact() ...])``. :func:`unpack_specs` inverts either form.
-    """
-    fqns: list[str] = []
-    kinds = bytearray()
-    dt_index = bytearray()
-    table: dict[str | None, int] = {}
-    nbytes = array("q")
-    ndims = array("q")
-    numbers = array("q")
-    try:
-        for s in specs:
-            o, z, g = s.offsets, s.sizes, s.global_size
-            if o is None and z is None and g is None:
-                ndims.append(-1)
-            elif o is not None and z is not None and g is not None and len(o) == len(z) == len(g):
-                ndims.append(len(o))
-                numbers.extend(o)
-                numbers.extend(z)
-                numbers.extend(g)
-            else:
-                raise ValueError("irregular item")
-            fqns.append(s.fqn)
-            kinds.append(int(s.kind))
-            dt_index.append(table.setdefault(s.dtype, len(table)))
-            nbytes.append(s.nbytes)
-    except (ValueError, OverflowError, TypeError):  # not representable: the per-item form
-        return ("specs", [s.compact() for s in specs])
-    return ("cols", fqns, bytes(kinds), list(table), bytes(dt_index), _narrow(nbytes), _narrow(ndims),
-            _narrow(numbers))
-
-
-def _narrow(a: array) -> array:
-    """``a`` with the smallest signed typecode of 1, 4 or 8 bytes that holds its values."""
-    if not a:
-        return array("b")
-    lo, hi = min(a), max(a)
-    for code, bound in (("b", 1 << 7), ("i", 1 << 31)):
-        if array(code).itemsize * 8 == bound.bit_length() and -bound <= lo and hi < bound:
-            return array(code, a)
-    return a
-
-
-def unpack_specs(packed: tuple) -> list[ItemSpec]:
-    """The :class:`ItemSpec` objects of a :func:`pack_specs` payload (``owner`` is not sent)."""
-    if packed[0] == "specs":
-        return [spec_from_compact(t) for t in packed[1]]
-    _, fqns, kinds, table, dt_index, nbytes, ndims, numbers = packed
-    kind_of = tuple(ItemKind)
-    out = []
-    pos = 0
-    for i, fqn in enumerate(fqns):
-        nd = ndims[i]
-        if nd < 0:
-            o = z = g = None
-        else:
-            o = tuple(numbers[pos:pos + nd])
-            z = tuple(numbers[pos + nd:pos + 2 * nd])
-            g = tuple(numbers[pos + 2 * nd:pos + 3 * nd])
-            pos += 3 * nd
-        out.append(ItemSpec(fqn, kind_of[kinds[i]], o, z, g, table[dt_index[i]], nbytes[i]))
-    return out
 
 
 @dataclass(slots=True)
@@ -164,16 +44,10 @@ class LocalPlan:
         self.by_key = {s.key: s for s in self.specs}
         self.structure_hash = structure_hash(self.specs)
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype name {name!r}")
-    return value
+    @property
+    def owned(self) -> list[ItemSpec]:
+        """The items this rank may write (all but DTensor replicas another replica writes)."""
+        return [s for s in self.specs if s.owner]
 
 
 def structure_hash(specs: list[ItemSpec]) -> str:
@@ -312,7 +186,8 @@ def make_spec(fqn: str, value: Any) -> tuple[ItemSpec, Any]:
     if callable(getattr(value, "state_dict", None)) and not isinstance(value, (dict, list)):
         raise TypeError(
             f"state_dict[{fqn!r}] is a {type(value).__name__} object with a state_dict() method; "
-            "put obj.state_dict() in the state dict instead of the object"
+            "only top-level values may be Stateful objects (DCP's rule): put obj.state_dict() here, "
+            "or move the object to the top level of the state dict"
         )
     return ItemSpec(fqn, ItemKind.BYTES), value
 
@@ -330,8 +205,19 @@ def serialize_bytes(fqn: str, value: Any) -> bytes:
     return buf.getvalue()
 
 
+def _is_stateful(value: Any) -> bool:
+    return (callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+            and not isinstance(value, (Mapping, list, torch.Tensor)))
+
+
 def plan_local(state_dict: Mapping[str, Any]) -> LocalPlan:
-    """Flatten ``state_dict`` and describe every item (calling thread, no collective)."""
+    """Flatten ``state_dict`` and describe every item (calling thread, no collective).
+
+    A top-level value with ``state_dict()`` and ``load_state_dict()`` (a module, an optimizer,
+    a dataloader: DCP's ``Stateful``) is replaced by its ``state_dict()``, taken now, as DCP's
+    ``save`` does."""
+    if isinstance(state_dict, Mapping):
+        state_dict = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_dict.items()}
     flat, mapping = flatten_state_dict(state_dict)
     specs: list[ItemSpec] = []
     values: dict[str, Any] = {}

@@ -32,9 +32,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ._errors import FingerprintMismatchError, PreparedMetadataError
-from ._layout import PlacedItem, gc_paused, index_key, parse_file_name, storage_index
-from ._plan import ItemKey, ItemKind, ItemSpec, dtype_name
-from ._publish import METADATA_FILE, MetadataTemplate, atomic_write
+from ._format import METADATA_FILE, ItemKey, dtype_name, index_key, parse_file_name, storage_index
+from ._layout import gc_paused
+from ._plan import LocalPlan
+from ._protocol import ItemKind, ItemSpec, PlacedItem, ReusePlan
+from ._publish import MetadataTemplate, atomic_write
 from ._safe_pickle import safe_loads
 
 MAGIC = b"SOLOSAVE-PREPARED\n"
@@ -77,7 +79,7 @@ def metadata_structure_hash(md: Metadata) -> str:
     return h.hexdigest()[:32]
 
 
-def _infer_world_workers(md: Metadata) -> tuple[int, int]:
+def infer_world_workers(md: Metadata) -> tuple[int, int]:
     ranks, files = 0, 0
     for info in (md.storage_data or {}).values():
         parsed = parse_file_name(info.relative_path)
@@ -110,7 +112,7 @@ class PreparedMetadata:
             raise PreparedMetadataError(
                 f"{self.source}: expected a torch.distributed.checkpoint Metadata, got "
                 f"{type(self.metadata).__name__}")
-        if not self.metadata.storage_data:
+        if not self.metadata.storage_data and self.metadata.state_dict_metadata:
             raise PreparedMetadataError(
                 f"{self.source}: the metadata has no storage_data (it is not a complete, published "
                 "checkpoint metadata); use the .metadata of a finished save")
@@ -183,6 +185,30 @@ class PreparedMetadata:
         self.__dict__["template"] = template  # the cached_property's slot
         return True
 
+    # -- reuse planning (every rank, locally) -----------------------------------------------
+    def plan_reuse(self, plan: LocalPlan, rank: int) -> tuple[ReusePlan, list[ItemSpec]]:
+        """This rank's local plan of a reuse save: the layout the prepared metadata gives it, the
+        reasons it cannot write that layout (a drift found before writing), and the items to
+        stage: the layout's items, or every item it owns when it drifted (the save then falls
+        back to the collective path, which may assign it any of them)."""
+        layout = self.rank_files(rank)
+        drift: list[str] = []
+        sizes = self.chunk_sizes
+        for _, items in layout:
+            for p in items:
+                s = plan.by_key.get(p.key)
+                if s is None:
+                    drift.append(f"{p.key[0]}: prepared on this rank but not in its state dict")
+                elif s.offsets is not None and sizes.get(p.key) != s.sizes:
+                    drift.append(f"{s.fqn}: chunk size {list(s.sizes or ())} differs from the prepared one")
+        for s in plan.specs:
+            msg = self.spec_matches(s)
+            if msg:
+                drift.append(msg)
+        if drift:
+            return ReusePlan(layout, tuple(drift)), plan.owned
+        return ReusePlan(layout), [plan.by_key[p.key] for _, items in layout for p in items]
+
     # -- validation ------------------------------------------------------------------------
     def check_compatible(self, world_size: int, workers: int) -> None:
         """Raise :class:`FingerprintMismatchError` naming the field that differs and the fix."""
@@ -193,7 +219,7 @@ class PreparedMetadata:
             raise FingerprintMismatchError(
                 f"{self.source}: prepared-metadata format version {fp.format_version}, this "
                 f"solosave reads {FORMAT_VERSION}. {fix}")
-        inferred_ranks, inferred_files = _infer_world_workers(self.metadata)
+        inferred_ranks, inferred_files = infer_world_workers(self.metadata)
         if fp.world_size is not None and fp.world_size != world_size:
             raise FingerprintMismatchError(
                 f"{self.source}: world_size differs: prepared for {fp.world_size} ranks, this run "
@@ -246,7 +272,7 @@ def load_prepared_metadata(path: str | os.PathLike) -> PreparedMetadata:
         md = safe_loads(data, what=str(p))
     if not isinstance(md, Metadata):
         raise PreparedMetadataError(f"{p}: holds a {type(md).__name__}, not a DCP Metadata")
-    _infer_world_workers(md)  # validates the data file names
+    infer_world_workers(md)  # validates the data file names
     fp = Fingerprint(None, None, metadata_structure_hash(md), None)
     return PreparedMetadata(md, fp, str(p))
 

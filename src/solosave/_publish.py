@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-METADATA_FILE = ".metadata"
+from ._format import METADATA_FILE
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -61,7 +61,7 @@ def unpublish(directory: str | os.PathLike) -> None:
 
 
 def _binunicode(s: str) -> bytes:
-    b = s.encode("utf-8")
+    b = s.encode("utf-8", "surrogatepass")  # as pickle writes str (paths may hold any byte)
     return b"X" + struct.pack("<I", len(b)) + b
 
 

@@ -1,80 +1,126 @@
 """Step 2 of a save: staging (calling thread, every rank, no collective).
 
 Values are copied into host memory owned by solosave before ``save()`` returns, so the caller
-may change its tensors right away (snapshot semantics). Tensors go into **one shared-memory
-segment per staging layout** (the list of items this rank stages, with their sizes), allocated
-once and reused by every save of the same structure; each tensor is a view at an aligned offset,
-so the worker process needs one segment, not one file descriptor per tensor. Non-tensor values
-are serialized with ``torch.save`` and travel inside the job message.
+may change its tensors right away (snapshot semantics). Tensors go into **one staging buffer per
+staging layout** (the list of items this rank stages, with their sizes), allocated once and
+reused by every save of the same structure; each tensor is a view at an aligned offset, so the
+worker process maps one buffer, not one file descriptor per tensor. Non-tensor values are
+serialized with ``torch.save`` and travel inside the job message.
 
-CUDA tensors: the segment is registered as pinned memory (``cudaHostRegister``), the copies run
-on a side stream that first waits for the current stream, and the current stream then waits for
-the copies' event, so later kernels (the next optimizer step) cannot overwrite a tensor before it
-is copied; the background dispatcher synchronizes the event before the worker reads the buffer.
+The buffer is a POSIX shared-memory segment (``/dev/shm``) whose pages are **reserved up front**
+(``posix_fallocate``): a ``/dev/shm`` too small for it (Docker's default is 64 MiB) is then an
+error at allocation, not a ``SIGBUS`` when the copy touches a missing page. On that error, or
+when ``SOLOSAVE_STAGING_DIR`` / ``staging_dir`` asks for it, the buffer is a file in a directory
+with room (memory-mapped, shared with the worker the same way), with one warning saying how to
+give the container more shared memory. The trainer owns every buffer: it unlinks it on
+``close()``, on garbage collection of the checkpointer, and (shared memory) its resource tracker
+unlinks it if the process is killed.
 
-Owner: :class:`Stager` lives in the trainer process; :func:`attach_segment` is its worker-side
+CUDA tensors: the buffer is registered as pinned memory (``cudaHostRegister``; if that fails the
+copies still work, unpinned), the copies run on a side stream that first waits for the current
+stream, and the current stream then waits for the copies' event, so later kernels (the next
+optimizer step) cannot overwrite a tensor before it is copied. The event stays in the trainer
+process: the checkpointer waits for it in a background thread before the job goes to the worker,
+so the worker never initialises CUDA.
+
+Owner: :class:`Stager` lives in the trainer process; :class:`BufferReader` is its worker-side
 counterpart.
 """
 
 from __future__ import annotations
 
-import gc
+import errno
+import logging
+import mmap
 import os
-import sys
+import tempfile
 import uuid
-from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import torch
 
-from ._plan import ItemKind, ItemSpec, dtype_from_name, serialize_bytes
+from ._format import dtype_from_name
+from ._plan import serialize_bytes
+from ._protocol import ItemKind, ItemSpec, StagedItem, StagedSave
 
-#: Alignment of every tensor inside a staging segment (bytes).
+log = logging.getLogger("solosave")
+
+#: Alignment of every tensor inside a staging buffer (bytes).
 ALIGN = 64
-#: Prefix of every shared-memory segment solosave creates (``/dev/shm/<prefix>...`` on Linux).
+#: Prefix of every shared-memory segment and staging file solosave creates.
 SEGMENT_PREFIX = "solosave_"
+#: Environment variable: a directory for file-backed staging buffers (instead of /dev/shm).
+STAGING_DIR_ENV = "SOLOSAVE_STAGING_DIR"
+_SHM_DIR = "/dev/shm"
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-@dataclass(frozen=True, slots=True)
-class StagedItem:
-    """One staged item as the worker sees it: the spec plus where its bytes are."""
+class _Buffer:
+    """One staging buffer: shared memory with reserved pages, or a memory-mapped file."""
 
-    spec: ItemSpec
-    #: Offset in the segment (tensors) or ``-1`` (BYTES items).
-    offset: int = -1
-    #: Serialized payload of a BYTES item; ``None`` for tensors.
-    payload: bytes | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StagedSave:
-    """What ``save()`` hands to the background: the staged items and their segment."""
-
-    segment: str | None
-    segment_size: int
-    items: tuple[StagedItem, ...]
-    #: CUDA event to synchronize before the segment may be read (``None`` on CPU).
-    cuda_event: Any = None
-
-
-class _Segment:
-    def __init__(self, size: int, pinned: bool) -> None:
+    def __init__(self, size: int, staging_dir: str | None) -> None:
         self.size = max(size, 1)
-        self.shm = shared_memory.SharedMemory(
-            create=True, size=self.size, name=f"{SEGMENT_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}")
-        self.base = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=self.size)
+        self.shm: shared_memory.SharedMemory | None = None
+        self.path: str | None = None
+        self._mmap: mmap.mmap | None = None
+        self._file_unlinked = False
+        name = f"{SEGMENT_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}"
+        if staging_dir is None:
+            try:
+                self._create_shm(name)
+            except OSError as e:
+                staging_dir = tempfile.gettempdir()
+                log.warning(
+                    "solosave: /dev/shm cannot hold the %d-byte staging buffer (%s); staging in a "
+                    "file under %s instead. Give the container more shared memory (docker run "
+                    "--shm-size=<per-rank state x ranks per host + 10%%>, or --ipc=host), or set "
+                    "%s to a directory with room to silence this.", self.size, e.strerror or e,
+                    staging_dir, STAGING_DIR_ENV)
+        if self.shm is None:
+            self._create_file(os.path.join(staging_dir or tempfile.gettempdir(), name))
+        view = self.shm.buf if self.shm is not None else self._mmap
+        self.base = torch.frombuffer(view, dtype=torch.uint8, count=self.size)
         self.pinned = False
-        if pinned:
-            cudart = torch.cuda.cudart()
-            rc = cudart.cudaHostRegister(self.base.data_ptr(), self.size, 0)
-            if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister of the staging segment failed (code {rc})")
-            self.pinned = True
+
+    def _create_shm(self, name: str) -> None:
+        shm = shared_memory.SharedMemory(create=True, size=self.size, name=name)
+        try:
+            os.posix_fallocate(shm._fd, 0, self.size)  # type: ignore[attr-defined]
+        except OSError:
+            _close_shm(shm)
+            raise
+        self.shm = shm
+
+    def _create_file(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.size)
+            self._mmap = mmap.mmap(fd, self.size)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            raise OSError(e.errno or errno.ENOSPC,
+                          f"cannot reserve {self.size} bytes for the staging buffer in "
+                          f"{os.path.dirname(path)} ({e.strerror}); set {STAGING_DIR_ENV} to a "
+                          "directory with room") from e
+        os.close(fd)
+        self.path = path
+
+    @property
+    def name(self) -> str:
+        return f"shm:{self.shm.name}" if self.shm is not None else f"file:{self.path}"
+
+    def pin(self) -> None:
+        rc = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), self.size, 0)
+        if int(rc) != 0:
+            log.warning("solosave: cudaHostRegister of the %d-byte staging buffer failed (code %s); "
+                        "device-to-host copies run unpinned (slower)", self.size, rc)
+            return
+        self.pinned = True
 
     def view(self, offset: int, spec: ItemSpec) -> torch.Tensor:
         dtype = dtype_from_name(spec.dtype or "")
@@ -82,88 +128,104 @@ class _Segment:
             return torch.empty(spec.sizes or (), dtype=dtype)
         return self.base[offset:offset + spec.nbytes].view(dtype).view(spec.sizes or ())
 
+    def forget_path(self) -> None:
+        """File-backed: unlink the file once the worker has it mapped (no leftover on a kill)."""
+        if self.path is not None and not self._file_unlinked:
+            _unlink(self.path)
+            self._file_unlinked = True
+
     def close(self) -> None:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
             self.pinned = False
         self.base = None  # type: ignore[assignment]
-        _close_shm(self.shm, unlink=True)
+        if self.shm is not None:
+            _close_shm(self.shm)
+            self.shm = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # views still alive: the mapping goes with them
+                pass
+            self._mmap = None
+            self.forget_path()
 
 
-def _close_shm(shm: shared_memory.SharedMemory, unlink: bool) -> None:
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _close_shm(shm: shared_memory.SharedMemory) -> None:
     try:
         shm.close()
-    except BufferError:  # views still alive somewhere: collect them, then retry
-        gc.collect()
-        try:
-            shm.close()
-        except BufferError:
-            pass
-    if unlink:
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
+    except BufferError:  # views still alive somewhere: the mapping goes with them
+        pass
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
 
 
 class Stager:
     """Copies the items a rank writes into reusable host buffers (trainer side).
 
     ``stage()`` is called from the calling thread only, one save at a time (the checkpointer
-    guarantees that the previous save's worker no longer reads the buffer). Keeps the segment of
-    the most recent staging layout; a new structure allocates a new segment and frees the old
-    one. ``close()`` unlinks every segment.
+    guarantees that the previous save's worker no longer reads the buffer). Keeps the buffer of
+    the most recent staging layout; a new structure allocates a new buffer and frees the old
+    one. ``close()`` unlinks every buffer. ``staging_dir``: file-backed buffers in this
+    directory instead of shared memory (default: ``$SOLOSAVE_STAGING_DIR`` if set).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, staging_dir: str | None = None) -> None:
+        self.staging_dir = staging_dir or os.environ.get(STAGING_DIR_ENV) or None
         self._layout: tuple | None = None
         self._offsets: dict = {}
-        self._segment: _Segment | None = None
+        self._buffer: _Buffer | None = None
         self._side_stream: Any = None
 
-    def _ensure(self, tensors: list[ItemSpec], pinned: bool) -> _Segment | None:
+    def _ensure(self, tensors: list[ItemSpec], pinned: bool) -> _Buffer | None:
         layout = tuple((s.key, s.nbytes, s.dtype, s.sizes) for s in tensors) + (pinned,)
-        if layout == self._layout and self._segment is not None:
-            return self._segment
+        if layout == self._layout and self._buffer is not None:
+            return self._buffer
         self.close()
         if not tensors:
             self._layout = layout
             return None
-        offsets = {}
-        pos = 0
+        offsets, pos = {}, 0
         for s in tensors:
             offsets[s.key] = pos
             pos += _align(s.nbytes)
-        self._segment = _Segment(pos, pinned)
-        self._offsets = offsets
-        self._layout = layout
-        return self._segment
+        buf = _Buffer(pos, self.staging_dir)
+        if pinned:
+            buf.pin()
+        self._buffer, self._offsets, self._layout = buf, offsets, layout
+        return buf
 
-    def stage(self, specs: list[ItemSpec], values: dict[str, Any]) -> StagedSave:
-        """Copy ``specs``' values (looked up by fqn in ``values``) into host memory."""
+    def stage(self, specs: list[ItemSpec], values: dict[str, Any]) -> tuple[StagedSave, Any]:
+        """Copy ``specs``' values (looked up by fqn in ``values``) into host memory. Returns the
+        staged save and, for CUDA tensors, the event that completes the copies (else None)."""
         tensors = [s for s in specs if s.kind is ItemKind.TENSOR]
         on_cuda = any(values[s.fqn].is_cuda for s in tensors)
-        seg = self._ensure(tensors, pinned=on_cuda)
+        buf = self._ensure(tensors, pinned=on_cuda)
+        event = self._copy_cuda(buf, tensors, values) if on_cuda else None
         items: list[StagedItem] = []
-        event = None
-        if on_cuda:
-            event = self._copy_cuda(seg, tensors, values)
         for s in specs:
             if s.kind is ItemKind.BYTES:
                 items.append(StagedItem(s, -1, serialize_bytes(s.fqn, values[s.fqn])))
                 continue
-            assert seg is not None  # noqa: S101 - tensors imply a segment
             off = self._offsets[s.key]
             if not on_cuda:
                 src = values[s.fqn]
-                if src.device.type != "cpu":
-                    src = src.cpu()
-                seg.view(off, s).copy_(src)
+                buf.view(off, s).copy_(src if src.device.type == "cpu" else src.cpu())  # type: ignore[union-attr]
             items.append(StagedItem(s, off))
-        return StagedSave(seg.shm.name if seg else None, seg.size if seg else 0, tuple(items), event)
+        return StagedSave(buf.name if buf else None, buf.size if buf else 0, tuple(items)), event
 
-    def _copy_cuda(self, seg: _Segment | None, tensors: list[ItemSpec], values: dict[str, Any]) -> Any:
-        assert seg is not None  # noqa: S101
+    def _copy_cuda(self, buf: _Buffer | None, tensors: list[ItemSpec], values: dict[str, Any]) -> Any:
+        if buf is None:
+            return None
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         current = torch.cuda.current_stream()
@@ -171,27 +233,36 @@ class Stager:
         with torch.cuda.stream(self._side_stream):
             for s in tensors:
                 src = values[s.fqn]
-                seg.view(self._offsets[s.key], s).copy_(src, non_blocking=src.is_cuda)
+                buf.view(self._offsets[s.key], s).copy_(src, non_blocking=src.is_cuda)
             event = torch.cuda.Event()
             event.record(self._side_stream)
         current.wait_event(event)
         return event
 
+    def buffer_delivered(self) -> None:
+        """The worker has mapped the current buffer (a save using it finished)."""
+        if self._buffer is not None:
+            self._buffer.forget_path()
+
     def close(self) -> None:
-        if self._segment is not None:
-            self._segment.close()
-        self._segment = None
+        if self._buffer is not None:
+            self._buffer.close()
+        self._buffer = None
         self._layout = None
         self._offsets = {}
 
 
-class SegmentReader:
-    """Worker-side view of the trainer's segments (attach once, keep while it is current)."""
+class BufferReader:
+    """Worker-side view of the trainer's staging buffer (mapped once, kept while current).
+
+    It maps the segment's file directly (``/dev/shm/<name>`` or the staging file), read-only,
+    without ``multiprocessing.shared_memory``: no resource tracker learns of it, so a reader
+    never unlinks, or unregisters, a buffer that its trainer owns (thread mode shares the
+    trainer's tracker)."""
 
     def __init__(self) -> None:
         self._name: str | None = None
-        self._shm: shared_memory.SharedMemory | None = None
-        self._base: torch.Tensor | None = None
+        self._mmap: mmap.mmap | None = None
 
     def tensor(self, staged: StagedSave, item: StagedItem) -> torch.Tensor:
         """A tensor over exactly this item's bytes (its storage is the item, nothing more)."""
@@ -199,27 +270,30 @@ class SegmentReader:
         dtype = dtype_from_name(spec.dtype or "")
         if spec.nbytes == 0:
             return torch.empty(spec.sizes or (), dtype=dtype)
-        if staged.segment != self._name:
+        if staged.buffer != self._name or self._mmap is None:
             self.close()
-            self._shm = _attach(staged.segment or "")
-            self._name = staged.segment
-        assert self._shm is not None  # noqa: S101
-        flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=spec.nbytes, offset=item.offset)
+            self._mmap = _map(staged.buffer or "", staged.buffer_size)
+            self._name = staged.buffer
+        flat = torch.frombuffer(self._mmap, dtype=torch.uint8, count=spec.nbytes, offset=item.offset)
         return flat.view(dtype).view(spec.sizes or ())
 
     def close(self) -> None:
-        if self._shm is not None:
-            _close_shm(self._shm, unlink=False)
-        self._shm = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a tensor view is still alive; the mapping goes with it
+                pass
+        self._mmap = None
         self._name = None
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
-    """Attach to a trainer's segment without taking ownership: the trainer (or, if it dies, its
-    resource tracker) unlinks it. The worker is its own interpreter with its own tracker, which
-    must not unlink - or warn about - segments it merely reads."""
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, create=False, track=False)
-    shm = shared_memory.SharedMemory(name=name, create=False)
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
+def _map(name: str, size: int) -> mmap.mmap:
+    kind, _, where = name.partition(":")
+    path = os.path.join(_SHM_DIR, where) if kind == "shm" else where
+    if kind not in ("shm", "file") or not where:
+        raise ValueError(f"internal: unknown staging buffer {name!r}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, max(size, 1), prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)

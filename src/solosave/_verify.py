@@ -24,10 +24,17 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ._errors import PreparedMetadataError
-from ._layout import check_results_cover, index_key
-from ._prepared import _infer_world_workers as infer_world_workers
-from ._prepared import load_prepared_metadata
-from ._write import CHECKSUM_FORMAT, CHECKSUM_SUFFIX, checksum_path
+from ._format import (
+    CHECKSUM_FORMAT,
+    CHECKSUM_SUFFIX,
+    check_ranges,
+    checksum_path,
+    confined_path,
+    index_key,
+    ranges_by_file,
+)
+from ._layout import check_results_cover
+from ._prepared import infer_world_workers, load_prepared_metadata
 
 _READ_CHUNK = 8 << 20
 
@@ -58,34 +65,27 @@ class VerifyReport:
                 "problems": list(self.problems)}
 
 
-def _ranges_by_file(storage_data: Mapping[Any, Any]) -> dict[str, list[tuple[int, int, str]]]:
-    per_file: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
-    for index, info in storage_data.items():
-        per_file[info.relative_path].append((int(info.offset), int(info.length), _name(index)))
-    return per_file
-
-
-def _name(index: Any) -> str:
-    fqn, offsets = index_key(index)
-    return fqn if offsets is None or not any(offsets) else f"{fqn}@{list(offsets)}"
-
-
-def check_ranges(directory: str | os.PathLike, storage_data: Mapping[Any, Any]) -> list[str]:
-    """Every byte range of ``storage_data`` lies inside its data file."""
-    per_file = _ranges_by_file(storage_data)
-    problems: list[str] = []
-    for rel in sorted(per_file):
-        path = os.path.join(os.fspath(directory), rel)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            problems.append(f"{rel}: missing ({len(per_file[rel])} record(s) point into it)")
-            continue
-        end, name = max((off + n, name) for off, n, name in per_file[rel])
-        if end > size:
-            short = sum(1 for off, n, _ in per_file[rel] if off + n > size)
-            problems.append(f"{rel}: truncated: {size} bytes, but .metadata needs {end} "
-                            f"({short} record(s) past the end, e.g. {name})")
+def check_files_tiled(directory: str, per_file: dict[str, list[tuple[int, int, str]]]) -> list[str]:
+    """The records of each data file follow each other from offset 0 to its end, as every
+    FileSystemWriter-style saver writes them: a ``.metadata`` of another layout (a prepared
+    file copied over a checkpoint's own) shows up as a gap, an overlap or a wrong end."""
+    problems = []
+    for rel in sorted(per_file, key=str):
+        path = confined_path(directory, rel)
+        if path is None or not os.path.exists(path):
+            continue  # reported by check_ranges
+        pos = 0
+        for off, n, name in sorted(per_file[rel]):
+            if off != pos:
+                problems.append(f"{rel}: {name} starts at {off}, but the records before it end at "
+                                f"{pos}: .metadata does not describe this file")
+                break
+            pos = off + n
+        else:
+            size = os.path.getsize(path)
+            if pos != size:
+                problems.append(f"{rel}: its records end at {pos} but the file has {size} bytes: "
+                                ".metadata does not describe this file")
     return problems
 
 
@@ -99,6 +99,8 @@ def _read_metadata(directory: str) -> Metadata:
 def _read_sidecar(sidecar: str) -> dict[tuple[int, int], int]:
     with open(sidecar, "rb") as f:
         doc = json.loads(f.read())
+    if not isinstance(doc, dict):
+        raise ValueError(f"a JSON {type(doc).__name__}, not an object")
     if doc.get("format") != CHECKSUM_FORMAT:
         raise ValueError(f"unknown format {doc.get('format')!r}")
     return {(int(r["offset"]), int(r["length"])): int(r["crc32"]) for r in doc["records"]}
@@ -124,13 +126,14 @@ def _checksums(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
                progress: Callable[[int, int], None] | None) -> tuple[str, int, list[str]]:
     problems: list[str] = []
     checked = 0
-    files = [rel for rel in sorted(per_file) if os.path.exists(checksum_path(os.path.join(directory, rel)))]
+    files = [rel for rel in sorted(per_file, key=str) if confined_path(directory, rel) is not None
+             and os.path.exists(checksum_path(os.path.join(directory, rel)))]
     total = sum(n for rel in files for _, n, _ in per_file[rel])
     for rel in files:
         data_path = os.path.join(directory, rel)
         try:
             recorded = _read_sidecar(checksum_path(data_path))
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             problems.append(f"{rel}{CHECKSUM_SUFFIX}: unreadable checksum file ({e})")
             continue
         if not os.path.exists(data_path):
@@ -194,7 +197,8 @@ def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | 
     results = [(index_key(k), v.relative_path, int(v.offset), int(v.length)) for k, v in md.storage_data.items()]
     problems = check_results_cover(md.state_dict_metadata, results)
     problems += check_ranges(directory, md.storage_data)
-    per_file = _ranges_by_file(md.storage_data)
+    problems += check_files_tiled(directory, ranges_by_file(md.storage_data))
+    per_file = ranges_by_file(md.storage_data)
     status, checked = "absent", 0
     if checksums:
         status, checked, crc_problems = _checksums(directory, per_file, progress)
@@ -209,5 +213,5 @@ def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | 
                         prepared_status, tuple(problems))
 
 
-__all__ = ["VerifyReport", "check_ranges", "compare_with_prepared",
+__all__ = ["VerifyReport", "check_files_tiled", "compare_with_prepared",
            "verify_checkpoint"]

@@ -3,67 +3,87 @@
 Both transports have the same surface, used only by the trainer-side checkpointer:
 ``submit(job)`` (hands the job over; the worker is idle then, as the checkpointer has already
 collected the previous outcome), ``poll(timeout) -> JobOutcome | None`` (bounded; raises
-:class:`WorkerDiedError` if the worker is gone), ``close(timeout)``.
+:class:`WorkerDiedError` if the worker is gone), ``close(timeout)`` (never raises).
 
-The worker process (a fresh interpreter: ``python -m solosave._worker_entry``) joins a
-rendezvous ``TCPStore`` that the coordinator's trainer serves, forms its own gloo process group
-under a ``PrefixStore`` (the channel), builds an :class:`~solosave._engine.Engine` and then runs
-jobs until told to stop. It is reused by every save of the checkpointer; a dead worker is
-detected by polling its liveness between short waits on the pipe, so no wait is unbounded.
+The worker process (a fresh interpreter: ``python -m solosave._worker_entry``) receives a
+:class:`~solosave._protocol.WorkerSetup`, joins the rendezvous ``TCPStore`` that the
+coordinator's trainer serves, forms its own gloo process group under a ``PrefixStore`` (the
+channel), builds an :class:`~solosave._engine.Engine` and then runs jobs until told to stop. It
+is reused by every save of the checkpointer. It never initialises CUDA (no CUDA object reaches
+it). Its lifetime is tied to its trainer's:
+
+* it runs in its own session, with ``SIGINT`` and ``SIGTERM`` ignored: Ctrl-C or a scheduler's
+  ``SIGTERM`` is the trainer's to handle (a final save from the handler still works);
+* it exits within a second of its trainer's death at any moment, start-up included: the kernel
+  sends it ``SIGKILL`` when its parent dies (``PR_SET_PDEATHSIG``) and a watchdog thread
+  compares its parent with the trainer's pid, passed on its command line.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import logging
 import multiprocessing
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from ._coordinate import Channel, CollectiveCounter
-from ._engine import Engine, JobOutcome, SaveJob
-from ._errors import SaveTimeoutError, WorkerDiedError
-from ._write import FileWriter
+from ._coordinate import DistChannel
+from ._engine import Engine
+from ._errors import WorkerDiedError
+from ._protocol import ErrorKind, JobOutcome, SaveJob, WorkerEvent, WorkerMessage, WorkerSetup
 
+log = logging.getLogger("solosave")
 _POLL = 0.05
+_PR_SET_PDEATHSIG = 1
 
 
-@dataclass(frozen=True)
-class ChannelSpec:
-    """How a worker process forms the channel: the store address, its prefix, rank, size."""
+def tie_to_trainer(trainer_pid: int, interval: float = 0.2) -> None:
+    """End this process when the trainer ``trainer_pid`` is gone (see the module docstring)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the watchdog alone
+        pass
+    if os.getppid() != trainer_pid:  # the trainer died before the line above took effect
+        os._exit(3)
 
-    host: str
-    port: int
-    prefix: str
-    rank: int
-    world_size: int
-    timeout_s: float
+    def watch() -> None:
+        while os.getppid() == trainer_pid:
+            time.sleep(interval)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="solosave-trainer-watch", daemon=True).start()
 
 
-def _worker_main(conn: Connection) -> None:
+def worker_main(conn: Connection, trainer_pid: int) -> None:
     """Body of the worker process: read its set-up, form the channel, then run jobs until told
     to stop (``None``) or until the trainer is gone (end of file on the pipe)."""
+    tie_to_trainer(trainer_pid)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     import torch.distributed as dist
 
     engine = None
-    _exit_with_trainer(os.getppid())
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        spec, workers, writer = conn.recv()
+        setup: WorkerSetup = conn.recv()
+        spec = setup.channel
         multiprocessing.current_process().name = f"solosave-worker-{spec.rank}"  # for logs
-        store = dist.TCPStore(spec.host, spec.port, is_master=False,
-                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore(spec.prefix, store),
-                                rank=spec.rank, world_size=spec.world_size,
-                                timeout=datetime.timedelta(seconds=spec.timeout_s))
-        engine = Engine(Channel(None, CollectiveCounter()), workers, writer)
-        conn.send(("ready", os.getpid()))
+                                rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+        channel = DistChannel(None, store=dist.PrefixStore(spec.prefix + "receipts/", store),
+                              timeout=spec.timeout_s)
+        engine = Engine(channel, setup.settings, setup.writer)
+        conn.send(WorkerMessage(WorkerEvent.READY, os.getpid()))
         while True:
             try:
                 job = conn.recv()
@@ -71,11 +91,11 @@ def _worker_main(conn: Connection) -> None:
                 break
             if job is None:
                 break
-            conn.send(("outcome", engine.run(job)))
+            conn.send(WorkerMessage(WorkerEvent.OUTCOME, engine.run(job)))
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, then exit
         try:
-            conn.send(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        except Exception:  # noqa: BLE001,S110
+            conn.send(WorkerMessage(WorkerEvent.FATAL, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except Exception:  # noqa: BLE001,S110 - the trainer is gone
             pass
     finally:
         if engine is not None:
@@ -87,32 +107,17 @@ def _worker_main(conn: Connection) -> None:
             pass
 
 
-def _exit_with_trainer(trainer_pid: int, interval: float = 0.2) -> None:
-    """End this worker process at once when its trainer is gone, even in the middle of a job
-    (an end of file on the pipe is only seen between jobs): a dead rank's worker must not go on
-    writing, or keep its peers waiting in a collective until their timeout. The files it left
-    are never published (``.metadata`` is written last, by a live coordinator)."""
-    def watch() -> None:
-        while os.getppid() == trainer_pid:
-            time.sleep(interval)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="solosave-trainer-watch", daemon=True).start()
-
-
 class ProcessTransport:
     """A persistent worker process for one rank.
 
-    The worker is a fresh interpreter running ``python -m solosave._worker_entry <fd>``, connected to
-    the trainer by a duplex pipe (one end passed as file descriptor ``fd``). Unlike a
-    ``multiprocessing`` *spawn* child it does not re-import the trainer's main script, so a
+    The worker is a fresh interpreter running ``python -m solosave._worker_entry <fd> <pid>``,
+    connected to the trainer by a duplex pipe (one end passed as file descriptor ``fd``). Unlike
+    a ``multiprocessing`` *spawn* child it does not re-import the trainer's main script, so a
     training script without an ``if __name__ == "__main__":`` guard works; it sees the trainer's
-    ``sys.path`` (appended to ``PYTHONPATH``) and environment. Messages are pickled objects: the
-    set-up ``(spec, workers, writer)``, then jobs (``None`` stops it); the worker answers
-    ``("ready", pid)``, ``("outcome", JobOutcome)`` or ``("fatal", text)``.
+    ``sys.path`` (appended to ``PYTHONPATH``) and environment.
     """
 
-    def __init__(self, spec: ChannelSpec, workers: int, writer: FileWriter | None) -> None:
+    def __init__(self, setup: WorkerSetup) -> None:
         ours, theirs = multiprocessing.Pipe(duplex=True)
         env = dict(os.environ)
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -120,22 +125,24 @@ class ProcessTransport:
         env["PYTHONPATH"] = os.pathsep.join(paths)
         try:
             self.process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-                [sys.executable, "-m", "solosave._worker_entry", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=env, close_fds=True)
+                [sys.executable, "-m", "solosave._worker_entry", str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), env=env, close_fds=True, start_new_session=True)
         finally:
             theirs.close()
         self._conn = ours
+        self._send_lock = threading.Lock()
         self.pid = self.process.pid
         self.ready = False
         self._fatal: str | None = None
         #: Outcomes read by ``close()`` after the trainer stopped waiting.
         self.leftover: list[JobOutcome] = []
-        self._conn.send((spec, workers, writer))
+        self._conn.send(setup)
 
     def submit(self, job: SaveJob) -> None:
         self._check_alive()
         try:
-            self._conn.send(job)
+            with self._send_lock:
+                self._conn.send(job)
         except OSError as e:  # broken pipe: the worker is gone
             self._check_alive()
             raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) is unreachable: {e}") from e
@@ -167,40 +174,48 @@ class ProcessTransport:
                 if time.monotonic() >= deadline:
                     return None
                 continue
-            kind, payload = msg
-            if kind == "ready":
+            if msg.event is WorkerEvent.READY:
                 self.ready = True
                 continue
-            if kind == "fatal":
-                self._fatal = str(payload)
+            if msg.event is WorkerEvent.FATAL:
+                self._fatal = str(msg.payload)
                 self._check_alive()
-            return payload
+            return msg.payload
 
     def close(self, timeout: float) -> None:
+        """Stop the worker (asked, then terminated, then killed); never raises."""
+        try:
+            self._stop(timeout)
+        except Exception as e:  # noqa: BLE001 - close never raises
+            log.warning("solosave: stopping the worker process %d: %s", self.pid, e)
+        try:  # an outcome that arrived while the worker was stopping (see AsyncCheckpointer.close)
+            while self._conn.poll(0):
+                msg = self._conn.recv()
+                if msg.event is WorkerEvent.OUTCOME:
+                    self.leftover.append(msg.payload)
+        except (EOFError, OSError):
+            pass
+        self._conn.close()
+
+    def _stop(self, timeout: float) -> None:
         if self.process.poll() is None:
             try:
-                self._conn.send(None)
+                with self._send_lock:
+                    self._conn.send(None)
             except OSError:
                 pass
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        if self.process.poll() is None:
-            self.process.terminate()
+        for stop in (self.process.terminate, self.process.kill):
+            if self.process.poll() is not None:
+                return
+            stop()  # SIGTERM is ignored by the worker: this is the kill below, in practice
             try:
                 self.process.wait(5)
-            except subprocess.TimeoutExpired:  # pragma: no cover - last resort
-                self.process.kill()
-                self.process.wait(5)
-        try:  # an outcome that arrived while the worker was stopping (see AsyncCheckpointer.close)
-            while self._conn.poll(0):
-                kind, payload = self._conn.recv()
-                if kind == "outcome":
-                    self.leftover.append(payload)
-        except (EOFError, OSError):
-            pass
-        self._conn.close()
+            except subprocess.TimeoutExpired:
+                continue
 
 
 class ThreadTransport:
@@ -225,9 +240,8 @@ class ThreadTransport:
             try:
                 self._outcomes.put(self.engine.run(job))
             except BaseException as e:  # noqa: BLE001 - keep the thread alive, report it
-                self._outcomes.put(JobOutcome(job.seq, False, job.mode.value,
-                                              failures={self.engine.rank: repr(e)},
-                                              error_kind="failed"))
+                self._outcomes.put(JobOutcome(job.seq, False, job.mode.value, ErrorKind.INTERNAL,
+                                              failures={self.engine.rank: traceback.format_exc() or repr(e)}))
 
     def submit(self, job: SaveJob) -> None:
         if not self._thread.is_alive():
@@ -241,9 +255,12 @@ class ThreadTransport:
             return None
 
     def close(self, timeout: float) -> None:
+        """Stop the thread (bounded); never raises. A thread stuck in a collective is left to
+        end with the process (it is a daemon thread): logged."""
         self._jobs.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise SaveTimeoutError(f"the solosave background thread did not stop within {timeout} s")
+            log.warning("solosave: the background thread did not stop within %.0f s; it ends with "
+                        "the process", timeout)
+            return
         self.engine.close()
-

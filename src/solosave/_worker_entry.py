@@ -1,4 +1,4 @@
-"""The worker process's entry point: ``python -m solosave._worker_entry <fd>``.
+"""The worker process's entry point: ``python -m solosave._worker_entry <fd> <trainer pid>``.
 
 Started only by :class:`solosave._worker.ProcessTransport`; ``fd`` is its end of the duplex
 pipe to the trainer. A module of its own, so that ``-m`` does not execute a module that the
@@ -8,7 +8,7 @@ package has already imported.
 import sys
 from multiprocessing.connection import Connection
 
-from solosave._worker import _worker_main
+from solosave._worker import worker_main
 
 if __name__ == "__main__":
-    _worker_main(Connection(int(sys.argv[1])))
+    worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]))

@@ -14,6 +14,7 @@ layout (see :func:`bytes_slot`).
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -25,19 +26,8 @@ from typing import BinaryIO
 
 import torch
 
-from ._plan import ItemKey
-
-#: A write result: item key, file name relative to the checkpoint, offset and length.
-WriteResult = tuple[ItemKey, str, int, int]
-
-#: Suffix of the checksum sidecar of a data file: ``__0_0.distcp`` -> ``__0_0.distcp.crc32``.
-CHECKSUM_SUFFIX = ".crc32"
-CHECKSUM_FORMAT = "solosave-crc32/1"
-
-
-def checksum_path(data_file: str) -> str:
-    """The sidecar that holds the per-record CRC32s of ``data_file``."""
-    return data_file + CHECKSUM_SUFFIX
+from ._format import CHECKSUM_FORMAT, ItemKey, checksum_path
+from ._protocol import WriteResult
 
 
 class _CrcStream:
@@ -101,6 +91,20 @@ class Record:
     pad_to: int | None = None
 
 
+def _write_error(stream: BinaryIO, record: Record, e: RuntimeError) -> OSError:
+    """The ``OSError`` behind a failed ``torch.save`` into ``stream`` (a full disk shows up as
+    ``inline_container.cc ... unexpected pos``)."""
+    need = record.tensor.numel() * record.tensor.element_size() if record.tensor is not None else 0
+    try:
+        st = os.fstatvfs(stream.fileno())
+        if st.f_bavail * st.f_frsize < need + (1 << 20):
+            return OSError(errno.ENOSPC, f"No space left on device while writing {record.key[0]!r} "
+                           f"({need} bytes; {st.f_bavail * st.f_frsize} bytes free)")
+    except (OSError, AttributeError, ValueError):
+        pass
+    return OSError(errno.EIO, f"writing {record.key[0]!r} failed: {e}")
+
+
 class FileWriter:
     """Writes the files of one rank, one thread per file.
 
@@ -124,9 +128,13 @@ class FileWriter:
     def write_record(self, stream: BinaryIO, record: Record) -> None:
         if record.payload is not None:
             stream.write(record.payload)
-        else:
-            assert record.tensor is not None  # noqa: S101 - Record invariant
+            return
+        if record.tensor is None:
+            raise ValueError(f"internal: record {record.key[0]!r} has neither a tensor nor a payload")
+        try:
             torch.save(record.tensor, stream)
+        except RuntimeError as e:  # torch's zip writer hides the OSError of a failed write
+            raise _write_error(stream, record, e) from e
 
     def close(self, stream: BinaryIO) -> None:
         stream.flush()

@@ -33,7 +33,7 @@ def _inspect(path: str, as_json: bool) -> int:
     files: dict[str, int] = defaultdict(int)
     for info in md.storage_data.values():
         files[info.relative_path] += int(info.length)
-    from ._layout import parse_file_name
+    from ._format import parse_file_name
 
     ranks: dict[int, int] = defaultdict(int)
     for f, n in files.items():
@@ -110,6 +110,16 @@ def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, pro
     return 0 if report.ok else 1
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="solosave",
@@ -133,15 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="make a prepared-metadata file from an existing checkpoint")
     p.add_argument("--from", dest="src", required=True, help="checkpoint directory or .metadata file")
     p.add_argument("--out", required=True, help="prepared-metadata file to write")
-    p.add_argument("--world-size", type=int, default=None, help="record the run's world size")
-    p.add_argument("--workers", type=int, default=None, help="record the run's files per rank")
+    p.add_argument("--world-size", type=_positive, default=None, help="record the run's world size (>= 1)")
+    p.add_argument("--workers", type=_positive, default=None, help="record the run's files per rank (>= 1)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
-        from .train import main as train_main
+        from .demo.launch import main as train_main
 
         return train_main(argv[1:])
     args = build_parser().parse_args(argv)

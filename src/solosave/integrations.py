@@ -26,6 +26,7 @@ coordinator (rank 0) move ``<save>/latest`` (atomically) and prune old checkpoin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -34,10 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._checkpointer import AsyncCheckpointer, SaveHandle, SaveResult
+from ._checkpointer import AsyncCheckpointer, SaveHandle
 from ._errors import SolosaveError
+from ._format import METADATA_FILE
+from ._options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args
 from ._prepared import PreparedMetadata, load_prepared_metadata
-from ._publish import METADATA_FILE, atomic_write
+from ._publish import atomic_write
+from ._result import SaveResult
 
 log = logging.getLogger("solosave")
 
@@ -46,60 +50,62 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 AUTO = "auto"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunOptions:
+    """The flags of a training run's checkpointing that are not checkpointer options (those are
+    :class:`~solosave.CheckpointerOptions`); declared once, here, with their flags."""
+
+    save: str | None = option(None, flag="--save", metavar="DIR", help=(
+        "directory for checkpoints (iter_XXXXXXX sub-directories); none: no saves"))
+    save_interval: int | None = option(None, flag="--save-interval", metavar="K", help=(
+        "save every K steps (and at the last step)"))
+    load: str | None = option(None, flag="--load", metavar="DIR", help=(
+        "resume from the newest published checkpoint under DIR (partial ones are ignored)"))
+    async_save: bool = option(False, flag="--async-save", help=(
+        "return to training right after staging; the worker writes in the background"))
+    keep_last: int | None = option(None, flag="--keep-last", metavar="N", help=(
+        "keep only the N newest published checkpoints (never deletes the newest good one)"))
+
+    def __post_init__(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise OptionError("save_interval", f"must be >= 1, got {self.save_interval}")
+        if self.save_interval is not None and not self.save:
+            raise OptionError("save_interval", "needs --save DIR (where the checkpoints go)")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise OptionError("keep_last", f"must be >= 1 (the newest good checkpoint is always "
+                              f"kept), got {self.keep_last}")
+
+
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the checkpointing flags (named as in Megatron-LM) to ``parser``, in their own group."""
+    """Add the checkpointing flags (named as in Megatron-LM) to ``parser``, in their own group:
+    one per field of :class:`RunOptions` and of :class:`~solosave.CheckpointerOptions`."""
     g = parser.add_argument_group("checkpointing (solosave)")
-    g.add_argument("--save", metavar="DIR", default=None,
-                   help="directory for checkpoints (iter_XXXXXXX sub-directories); none: no saves")
-    g.add_argument("--save-interval", metavar="K", type=int, default=None,
-                   help="save every K steps (and at the last step)")
-    g.add_argument("--load", metavar="DIR", default=None,
-                   help="resume from the newest published checkpoint under DIR (partial ones are ignored)")
-    g.add_argument("--async-save", action="store_true",
-                   help="return to training right after staging; the worker writes in the background")
-    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
-                   help="write in one spawned worker process per rank, reused by every save "
-                        "(default: a background thread)")
-    g.add_argument("--ckpt-metadata", metavar="FILE|auto", default=None,
-                   help="prepared metadata to reuse: every save then needs one 8-byte all_reduce. "
-                        "'auto': the .metadata of the checkpoint resumed from, if its fingerprint "
-                        "matches this run (else one is created at the first save, in <save>/prepared.metadata)")
-    g.add_argument("--ckpt-metadata-create", action="store_true",
-                   help="create the --ckpt-metadata FILE at the first save if it does not exist")
-    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
-                   help="without prepared metadata: stop gathering plans once two saves had the same plan")
-    g.add_argument("--dist-ckpt-workers", metavar="N", type=int, default=1,
-                   help="files (writer threads) per rank (default 1)")
-    g.add_argument("--keep-last", metavar="N", type=int, default=None,
-                   help="keep only the N newest published checkpoints (never deletes the newest good one)")
-    g.add_argument("--ckpt-checksums", action="store_true",
-                   help="record a CRC32 per item next to each data file, for `solosave verify`")
-    g.add_argument("--ckpt-timeout", metavar="SECONDS", type=float, default=600.0,
-                   help="bound of every checkpoint wait (default 600)")
+    add_option_flags(g, RunOptions)
+    add_option_flags(g, CheckpointerOptions)
     return parser
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
-    """Raise ``ValueError`` naming the flag and the fix for an inconsistent combination."""
-    if args.ckpt_metadata_create and not args.ckpt_metadata:
-        raise ValueError("--ckpt-metadata-create needs --ckpt-metadata FILE (the file to create); "
-                         "add --ckpt-metadata <file>, or --ckpt-metadata auto")
-    if args.ckpt_metadata_create and args.ckpt_metadata == AUTO:
-        raise ValueError("--ckpt-metadata auto already creates the prepared metadata when it finds "
-                         "none to reuse; drop --ckpt-metadata-create")
-    if args.ckpt_metadata == AUTO and not args.save:
-        raise ValueError("--ckpt-metadata auto keeps its prepared file under --save DIR; add --save")
-    if args.save_interval is not None and args.save_interval < 1:
-        raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
-    if args.save_interval is not None and not args.save:
-        raise ValueError("--save-interval needs --save DIR (where the checkpoints go)")
-    if args.keep_last is not None and args.keep_last < 1:
-        raise ValueError(f"--keep-last must be >= 1 (the newest good checkpoint is always kept), "
-                         f"got {args.keep_last}")
-    if args.dist_ckpt_workers < 1:
-        raise ValueError(f"--dist-ckpt-workers must be >= 1, got {args.dist_ckpt_workers}")
-    if args.ckpt_timeout <= 0:
-        raise ValueError(f"--ckpt-timeout must be > 0 seconds, got {args.ckpt_timeout}")
+    """Raise ``ValueError`` naming the flag and the fix for a bad value or combination."""
+    if args.prepared_metadata == AUTO:
+        if args.create_prepared_metadata:
+            raise ValueError("--ckpt-metadata auto already creates the prepared metadata when it finds "
+                             "none to reuse; drop --ckpt-metadata-create")
+        if not args.save:
+            raise ValueError("--ckpt-metadata auto keeps its prepared file under --save DIR; add --save")
+    options_from_args(args, RunOptions)
+    _checkpointer_options(args, None)
+
+
+def _checkpointer_options(args: argparse.Namespace, prepared: PreparedMetadata | None) -> CheckpointerOptions:
+    """The options the flags describe; ``--ckpt-metadata auto`` becomes ``prepared`` (the
+    resumed checkpoint's metadata, when it fits this run) or a prepared file to create."""
+    if args.prepared_metadata != AUTO:
+        return options_from_args(args, CheckpointerOptions)
+    if prepared is not None:
+        return options_from_args(args, CheckpointerOptions, prepared_metadata=prepared)
+    return options_from_args(args, CheckpointerOptions, create_prepared_metadata=True,
+                             prepared_metadata=os.path.join(args.save, "prepared.metadata"))
 
 
 # -- the checkpoint directory ------------------------------------------------------------------
@@ -147,30 +153,17 @@ def checkpointer_from_args(args: argparse.Namespace, process_group: Any = None,
                            resumed_from: str | None = None, **overrides: Any) -> AsyncCheckpointer:
     """Build the :class:`~solosave.AsyncCheckpointer` the flags describe (every rank; collective
     once, for the worker's setup). ``resumed_from``: the checkpoint this run resumed from, used
-    by ``--ckpt-metadata auto``. ``overrides`` go to the constructor as they are."""
+    by ``--ckpt-metadata auto``. ``overrides`` replace options (``CheckpointerOptions`` fields)."""
     import torch.distributed as dist
 
     validate_checkpoint_args(args)
-    kw: dict[str, Any] = dict(
-        process_group=process_group, workers=args.dist_ckpt_workers,
-        persistent_worker=bool(args.use_persistent_ckpt_worker),
-        assume_constant_structure=bool(args.ckpt_assume_constant_structure),
-        timeout=args.ckpt_timeout, checksums=bool(args.ckpt_checksums))
-    if args.ckpt_metadata == AUTO:
-        prepared = None
-        if resumed_from is not None:
-            prepared = prepared_for_resume(resumed_from, dist.get_world_size(process_group),
-                                           args.dist_ckpt_workers)
-        if prepared is not None:
-            kw["prepared_metadata"] = prepared
-        else:
-            kw["prepared_metadata"] = os.path.join(args.save, "prepared.metadata")
-            kw["create_prepared_metadata"] = True
-    elif args.ckpt_metadata:
-        kw["prepared_metadata"] = args.ckpt_metadata
-        kw["create_prepared_metadata"] = bool(args.ckpt_metadata_create)
-    kw.update(overrides)
-    return AsyncCheckpointer(**kw)
+    prepared = None
+    if args.prepared_metadata == AUTO and resumed_from is not None:
+        prepared = prepared_for_resume(resumed_from, dist.get_world_size(process_group), args.workers)
+    options = _checkpointer_options(args, prepared)
+    if overrides:
+        options = dataclasses.replace(options, **overrides)
+    return AsyncCheckpointer(process_group, options=options)
 
 
 @dataclass(frozen=True, slots=True)

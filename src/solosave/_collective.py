@@ -1,0 +1,176 @@
+"""The collective path of a save (background, every rank): first saves, saves without prepared
+metadata, and the fallback of a reuse save whose layout drifted.
+
+Who calls what, in order (every rank runs :func:`run_collective` for the same job):
+
+1. every rank: :func:`plan_request` -> ``gather_object`` (``PlanRequest``) to the coordinator;
+2. coordinator: :func:`decide` (lock-step check, per-rank errors, ``_global_plan.global_plan``)
+   -> ``scatter_object`` (one ``PlanDecision`` per rank); an ``ERROR`` decision ends the save
+   on every rank here, an ``OUT_OF_STEP`` one breaks every engine;
+3. every rank: :func:`write_assigned` -> ``gather_object`` (``WriteReport``);
+4. coordinator: :func:`finish` (``Metadata`` from the results, the prepared file when this save
+   makes or refreshes it, ``.metadata`` published last) -> ``broadcast_object``
+   (``FinishNotice``, with the metadata now prepared, so every rank can reuse it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from array import array
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from ._engine import Engine, OutOfStep, describe
+from ._format import METADATA_FILE, file_name
+from ._global_plan import GlobalPlan, global_plan
+from ._layout import bucket_items, finish_metadata
+from ._prepared import prepared_fingerprint, write_prepared_file
+from ._protocol import (
+    ErrorKind,
+    FinishNotice,
+    JobOutcome,
+    Mode,
+    PlanDecision,
+    PlanRequest,
+    SaveJob,
+    SaveKind,
+    Verdict,
+    WriteReport,
+    WriteResult,
+    narrow,
+    pack_specs,
+    result_keys,
+)
+from ._publish import MetadataTemplate
+from ._write import bytes_slot
+
+
+def run_collective(engine: Engine, job: SaveJob, timings: dict[str, float],
+                   prewritten: list[WriteResult] | None = None, drifts: list[str] | tuple = ()) -> JobOutcome:
+    """Run the collective path of ``job`` on this rank (see the module docstring). ``prewritten``
+    and ``drifts``: a reuse fallback's results already written and why the layout drifted."""
+    ch = engine.channel
+    requests = ch.gather_object(plan_request(job, prewritten, drifts))
+    decisions, plan = decide(job, requests, ch.coordinator) if ch.is_coordinator else (None, None)
+    mine: PlanDecision = ch.scatter_object(decisions)
+    kind = SaveKind.FALLBACK if job.mode is Mode.REUSE else (SaveKind.CREATE if job.make_prepared else SaveKind.COLLECTIVE)
+    if mine.verdict is Verdict.OUT_OF_STEP:
+        raise OutOfStep(mine.message)
+    if mine.verdict is Verdict.ERROR:
+        return JobOutcome(job.seq, False, kind, ErrorKind.FAILED, failures=dict(mine.failures))
+    report = write_assigned(engine, job, mine, prewritten, timings)
+    reports = ch.gather_object(report)
+    notice = None
+    if ch.is_coordinator:
+        notice = finish(engine, job, plan, reports, timings)  # type: ignore[arg-type]
+    notice = ch.broadcast_object(notice)
+    ok = not notice.failures
+    warnings: tuple[str, ...] = ()
+    if ok and kind is SaveKind.FALLBACK:
+        warnings = ("layout drift: the prepared metadata no longer matches; this save took the "
+                    "collective path and the prepared metadata was refreshed. Drifted: "
+                    + "; ".join(f"rank {r}: {', '.join(d[:5])}" for r, d in sorted(mine.drifts.items()) if d),)
+    written = 0 if mine.skip_write or not ok else sum(r[3] for r in report.results or ())
+    return JobOutcome(job.seq, ok, kind, None if ok else ErrorKind.FAILED, bytes_written=written,
+                      failures=dict(notice.failures), drifts=dict(mine.drifts) if kind is SaveKind.FALLBACK else {},
+                      prepared_metadata=notice.prepared, published=notice.published, warnings=warnings)
+
+
+def plan_request(job: SaveJob, prewritten: list[WriteResult] | None, drifts: list[str] | tuple) -> PlanRequest:
+    """This rank's part of the planning gather. A rank that cannot take part (its ``save()``
+    raised, or its items cannot be described) still sends a request, carrying its error."""
+    empty = pack_specs([])
+    if job.abort is not None:
+        return PlanRequest(job.identity, empty, None, {}, None, [], job.abort)
+    try:
+        held = list(job.held)
+        staged = {it.spec.key for it in job.staged.items}
+        positions = None
+        if len(staged) != len(held) or any(s.key not in staged for s in held):
+            pos = {s.key: i for i, s in enumerate(held)}
+            positions = narrow(array("q", sorted(pos[k] for k in staged)))
+        return PlanRequest(job.identity, pack_specs(held), positions, job.planner_data, prewritten, list(drifts))
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the coordinator
+        return PlanRequest(job.identity, empty, None, {}, None, [], f"planning failed: {describe(e)}")
+
+
+def decide(job: SaveJob, requests: list[PlanRequest], coordinator: int) -> tuple[list[PlanDecision], GlobalPlan | None]:
+    """Coordinator: one decision per rank, and the global plan when every rank may go on."""
+    world = len(requests)
+    if len({r.identity.seq_bits for r in requests}) != 1 or len({r.identity.dir_bits for r in requests} - {None}) > 1:
+        msg = (f"the coordinator's save {job.seq} to {job.directory} met a different save of "
+               "another rank in the planning gather")
+        return [PlanDecision(Verdict.OUT_OF_STEP, message=msg)] * world, None
+    errors = {r: req.error for r, req in enumerate(requests) if req.error is not None}
+    if errors:
+        return [PlanDecision(Verdict.ERROR, failures=errors)] * world, None
+    try:
+        plan = global_plan(requests)
+    except Exception as e:  # noqa: BLE001 - every rank gets the coordinator's error
+        why = str(e) if isinstance(e, ValueError) else describe(e)
+        return [PlanDecision(Verdict.ERROR, failures={coordinator: f"global planning failed: {why}"})] * world, None
+    return [PlanDecision(Verdict.OK, plan.writes[r], plan.skip_write, plan.drifts) for r in range(world)], plan
+
+
+def write_assigned(engine: Engine, job: SaveJob, mine: PlanDecision, prewritten: list[WriteResult] | None,
+                   timings: dict[str, float]) -> WriteReport:
+    """Write the items the coordinator assigned to this rank (or keep a fallback's files)."""
+    if mine.skip_write:
+        return WriteReport(prewritten, None)
+    try:
+        staged = {it.spec.key: it for it in job.staged.items}
+        specs = [staged[job.held[i].key].spec for i in mine.writes]
+        files, pad = [], {}
+        for n, bucket in enumerate(bucket_items(specs, engine.workers)):
+            files.append((file_name(engine.rank, n), [staged[s.key] for s in bucket]))
+            pad.update({s.key: bytes_slot(len(staged[s.key].payload)) for s in bucket
+                        if staged[s.key].payload is not None})
+        return WriteReport(engine.write(job, files, pad, timings), None)
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        return WriteReport(None, describe(e))
+
+
+def finish(engine: Engine, job: SaveJob, plan: GlobalPlan, reports: list[WriteReport],
+           timings: dict[str, float]) -> FinishNotice:
+    """Coordinator: check every rank wrote, build ``Metadata``, persist the prepared file when
+    this save makes or refreshes it, publish ``.metadata`` last."""
+    failures = {r: rep.error for r, rep in enumerate(reports) if rep.error is not None}
+    if failures:
+        return FinishNotice(failures, None, False)
+    try:
+        md = finish_metadata(plan.state_dict_metadata,
+                             [row for rep in reports for row in result_keys(rep.results)], plan.planner_data)
+        template = MetadataTemplate(md)
+        save_id = str(uuid.uuid4())
+        data = template.render(os.fspath(job.directory), save_id)
+        prepared = None
+        engine.made_template = None
+        if job.make_prepared or job.mode is Mode.REUSE:
+            # What every rank reuses: exactly the bytes about to be published (same save_id), so
+            # the coordinator's next reuse save adopts this template instead of re-pickling.
+            prepared = dataclasses.replace(md, storage_meta=StorageMeta(os.fspath(job.directory), save_id))
+            engine.made_template = (save_id, template)
+            _persist_prepared(engine, prepared, data)
+        engine.publish(job, data, timings)
+        return FinishNotice({}, prepared, True)
+    except Exception as e:  # noqa: BLE001 - reported to every rank
+        return FinishNotice({engine.rank: f"publishing failed: {describe(e)}"}, None, False)
+
+
+def _persist_prepared(engine: Engine, prepared: Any, data: bytes) -> None:
+    """Write the prepared file (create mode, refresh after a drift), never into a checkpoint."""
+    path = engine.settings.prepared_path
+    if not path:
+        return
+    if os.path.basename(path) == METADATA_FILE:
+        engine.warnings.append(f"the prepared metadata {path} is a checkpoint's own {METADATA_FILE}: it is "
+                               "not overwritten; the refreshed prepared metadata is kept in memory")
+        return
+    try:  # `data` is the protocol-2 pickle of `prepared`: stored as is
+        write_prepared_file(path, prepared_fingerprint(prepared, engine.world_size, engine.workers), data)
+    except Exception as e:  # noqa: BLE001 - the checkpoint itself is fine
+        engine.warnings.append(f"could not persist the prepared metadata to {path}: {describe(e)}; "
+                               "it is kept in memory")

@@ -1,0 +1,446 @@
+"""Every message solosave sends: trainer -> worker, worker -> trainer, and rank -> rank.
+
+One low module (it imports only :mod:`solosave._format`) that every other module imports, so a
+reader finds each message's fields and meaning in one place. Messages are frozen dataclasses
+(sent once per save or per set-up) or ``NamedTuple`` s (sent through collectives, where their
+pickled size counts); every tag is an enum.
+
+Trainer <-> worker, over the pipe (see ``_worker.py``)::
+
+    WorkerSetup                      once, first message: the channel and per-checkpointer settings
+    SaveJob ...                      one per save; ``None`` stops the worker
+    WorkerMessage(READY | OUTCOME(JobOutcome) | FATAL(text))
+
+Rank <-> rank, over the channel (``_coordinate.py``), in the order the engine sends them:
+
+    collective path:  gather PlanRequest -> scatter PlanDecision -> gather WriteReport
+                      -> broadcast FinishNotice
+    reuse path:       all_reduce of one int64 status word (:func:`encode_status`); on failure
+                      all_gather of each rank's error (``str | None``), on drift with "raise"
+                      all_gather of each rank's drifts (``list[str]``)
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ._format import ItemKey, item_key
+
+# ---------------------------------------------------------------------------------------------
+# Tags
+# ---------------------------------------------------------------------------------------------
+
+
+class Mode(str, enum.Enum):
+    """How a save coordinates; chosen by the trainer from state every rank shares."""
+
+    COLLECTIVE = "collective"  #: gather plans, scatter decisions, gather results, broadcast
+    REUSE = "reuse"            #: write the prepared layout, one 8-byte all_reduce
+
+
+class SaveKind(str, enum.Enum):
+    """What a finished save did (``SaveResult.mode``; compares equal to its string)."""
+
+    COLLECTIVE = "collective"
+    CREATE = "create"              #: collective, and the metadata became the prepared metadata
+    REUSE = "reuse"
+    FALLBACK = "reuse+fallback"    #: a reuse save whose layout drifted, saved collectively
+
+
+class ErrorKind(str, enum.Enum):
+    FAILED = "failed"            #: a rank could not write (or publish); nothing published
+    DRIFT = "drift"              #: the layout drifted and ``on_layout_drift="raise"``
+    CHANNEL = "channel"          #: a collective failed (peer died, timeout): engine broken
+    OUT_OF_STEP = "out_of_step"  #: ranks ran different saves: engine broken
+    INTERNAL = "internal"        #: a bug in solosave (reported with its traceback): engine broken
+
+
+class Status(enum.IntEnum):
+    """A rank's reuse status; the agreed status is the minimum over ranks."""
+
+    FAILED = 0
+    DRIFT = 1
+    OK = 2
+
+
+class Verdict(str, enum.Enum):
+    """The coordinator's decision on the collective path."""
+
+    OK = "ok"
+    ERROR = "error"
+    OUT_OF_STEP = "out_of_step"
+
+
+class WorkerEvent(str, enum.Enum):
+    READY = "ready"
+    OUTCOME = "outcome"
+    FATAL = "fatal"
+
+
+class ItemKind(enum.IntEnum):
+    TENSOR = 0
+    BYTES = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Items
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ItemSpec:
+    """The structure of one item of a rank's state (no values).
+
+    ``nbytes`` is the raw tensor size (numel x element size) for tensors and ``0`` for BYTES
+    items, whose serialized size depends on the value. ``owner`` is False when this rank holds
+    a DTensor replica that another replica writes.
+    """
+
+    fqn: str
+    kind: ItemKind
+    offsets: tuple[int, ...] | None = None
+    sizes: tuple[int, ...] | None = None
+    global_size: tuple[int, ...] | None = None
+    dtype: str | None = None
+    nbytes: int = 0
+    owner: bool = True
+
+    @property
+    def key(self) -> ItemKey:
+        return (self.fqn, self.offsets)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedItem:
+    """Where a prepared metadata puts one item: file, offset and length."""
+
+    key: ItemKey
+    relative_path: str
+    offset: int
+    length: int
+
+
+#: A write result row: item key, file name relative to the checkpoint, offset and length.
+WriteResult = tuple[ItemKey, str, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class StagedItem:
+    """One staged item as the worker sees it: the spec plus where its bytes are."""
+
+    spec: ItemSpec
+    #: Offset in the staging buffer (tensors) or ``-1`` (BYTES items).
+    offset: int = -1
+    #: Serialized payload of a BYTES item; ``None`` for tensors.
+    payload: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StagedSave:
+    """What ``save()`` hands to the background: the staged items and their buffer.
+
+    ``buffer`` names the staging buffer (``"shm:<name>"`` or ``"file:<path>"``, see
+    ``_stage.py``) or is ``None`` when nothing is a tensor. No CUDA object ever travels here.
+    """
+
+    buffer: str | None
+    buffer_size: int
+    items: tuple[StagedItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReusePlan:
+    """A rank's local plan of a reuse save, made from the prepared metadata alone."""
+
+    #: This rank's files in the prepared metadata, each with its items in offset order.
+    layout: tuple[tuple[str, tuple[PlacedItem, ...]], ...]
+    #: Why this rank cannot write that layout (found while planning); empty: it can.
+    drift: tuple[str, ...] = ()
+
+    def placed(self) -> list[PlacedItem]:
+        return [p for _, items in self.layout for p in items]
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer <-> worker
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ChannelSpec:
+    """How a worker process forms the channel: the store address, its prefix, rank, size."""
+
+    host: str
+    port: int
+    prefix: str
+    rank: int
+    world_size: int
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """Per-checkpointer settings of the background; sent once, with the worker's set-up."""
+
+    workers: int = 1
+    #: ``"fallback"`` or ``"raise"`` (see ``CheckpointerOptions.on_layout_drift``).
+    on_layout_drift: str = "fallback"
+    #: The prepared file to create or refresh (coordinator); ``None``: in memory only.
+    prepared_path: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """The first message to a worker process."""
+
+    channel: ChannelSpec
+    settings: EngineSettings
+    writer: Any = None  # a solosave.FileWriter or None (the default writer)
+    #: The trainer's pid: the worker exits as soon as that process is gone.
+    trainer_pid: int = 0
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Everything the background needs for one save (picklable; sent to the worker)."""
+
+    seq: int
+    directory: str
+    mode: Mode
+    staged: StagedSave
+    #: Every item this rank holds (for the global plan on the collective path).
+    held: tuple[ItemSpec, ...] = ()
+    planner_data: dict = field(default_factory=dict)
+    #: REUSE: the local plan from the prepared metadata.
+    reuse: ReusePlan | None = None
+    #: COLLECTIVE: the finished metadata becomes the prepared metadata (create mode, or
+    #: ``assume_constant_structure``); every rank receives it.
+    make_prepared: bool = False
+    #: REUSE: the prepared metadata, sent once per token; later jobs send only the token.
+    prepared_token: int = 0
+    prepared: Any = None  # a PreparedMetadata (sent when the token changes)
+    #: Set when ``save()`` raised on this rank after the save was numbered: the job takes part
+    #: in the protocol as a failure with this message, so every rank learns it at once.
+    abort: str | None = None
+    submitted_at: float = 0.0
+
+    @property
+    def identity(self) -> SaveIdentity:
+        return save_identity(self.seq, None if self.abort is not None else self.directory)
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What the background reports for one save (identical ``ok``/``failures`` on every rank)."""
+
+    seq: int
+    ok: bool
+    kind: SaveKind
+    error_kind: ErrorKind | None = None
+    bytes_written: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    collectives: tuple[Any, ...] = ()  # CollectiveCall
+    failures: dict[int, str] = field(default_factory=dict)
+    drifts: dict[int, list[str]] = field(default_factory=dict)
+    #: The complete metadata now prepared (create, fallback); every rank receives it.
+    prepared_metadata: Any = None  # a torch.distributed.checkpoint Metadata
+    #: Whether ``.metadata`` was published (known on every rank).
+    published: bool = False
+    warnings: tuple[str, ...] = ()
+    finished_at: float = 0.0
+
+
+class WorkerMessage(NamedTuple):
+    event: WorkerEvent
+    payload: Any = None  # JobOutcome (OUTCOME), pid (READY) or text (FATAL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank <-> rank (collective path)
+# ---------------------------------------------------------------------------------------------
+
+class PackedSpecs(NamedTuple):
+    """One rank's items in columnar form (see :func:`pack_specs`)."""
+
+    fqns: list[str]
+    kinds: bytes            #: one ``ItemKind`` per item
+    dtype_table: list       #: the distinct dtype names (``None`` for BYTES items)
+    dtype_index: bytes      #: per item, its dtype's index in ``dtype_table``
+    nbytes: array
+    ndims: array            #: per item, its number of dimensions; -1 for BYTES items
+    numbers: array          #: per tensor item: offsets, sizes, global size (3 * ndims values)
+
+
+class PlanRequest(NamedTuple):
+    """What every rank sends in the planning gather of the collective path."""
+
+    identity: SaveIdentity         #: :func:`save_identity` of the save (lock-step check)
+    specs: PackedSpecs             #: every item this rank holds
+    staged: array | None           #: positions in ``specs`` of the items it staged; None: all
+    planner_data: dict             #: DCP's flatten mapping
+    prewritten: list | None        #: reuse fallback: the ``WriteResult`` rows it already wrote
+    drifts: list[str]              #: reuse fallback: why its layout drifted
+    error: str | None = None       #: this rank cannot take part in this save (and why)
+
+
+class PlanDecision(NamedTuple):
+    """The coordinator's answer to one rank."""
+
+    verdict: Verdict
+    writes: list[int] = []         #: positions, in the rank's held list, of the items it writes
+    skip_write: bool = False       #: reuse fallback: the pre-written files already fit the plan
+    drifts: dict = {}              #: every rank's drifts (reuse fallback), for the warning
+    failures: dict = {}            #: ERROR: {rank: what went wrong}
+    message: str | None = None     #: OUT_OF_STEP: what happened
+
+
+class WriteReport(NamedTuple):
+    """A rank's write results (or its error) for the second gather."""
+
+    results: list[WriteResult] | None
+    error: str | None
+
+
+class FinishNotice(NamedTuple):
+    """The coordinator's last word on a collective save (broadcast)."""
+
+    failures: dict[int, str]
+    prepared: Any                  #: the published Metadata when it becomes the prepared one
+    published: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Columnar specs
+# ---------------------------------------------------------------------------------------------
+
+def pack_specs(specs: list[ItemSpec]) -> PackedSpecs:
+    """One rank's items in columnar form, for the planning gather: a few Python objects per
+    rank instead of one tuple per item, so that the coordinator unpickles and merges W ranks'
+    items with array operations (``_global_plan.py``). Integer columns use the smallest signed
+    typecode that holds their values ("b", "i" or "q")."""
+    fqns: list[str] = []
+    kinds = bytearray()
+    dt_index = bytearray()
+    table: dict[str | None, int] = {}
+    nbytes, ndims, numbers = array("q"), array("q"), array("q")
+    for s in specs:
+        o, z, g = s.offsets, s.sizes, s.global_size
+        if o is None and z is None and g is None:
+            ndims.append(-1)
+        elif o is not None and z is not None and g is not None and len(o) == len(z) == len(g):
+            ndims.append(len(o))
+            numbers.extend(o)
+            numbers.extend(z)
+            numbers.extend(g)
+        else:
+            raise ValueError(f"internal: item {s.fqn!r} has offsets, sizes and global size of "
+                             "different lengths")
+        fqns.append(s.fqn)
+        kinds.append(int(s.kind))
+        dt_index.append(table.setdefault(s.dtype, len(table)))
+        nbytes.append(s.nbytes)
+    return PackedSpecs(fqns, bytes(kinds), list(table), bytes(dt_index), narrow(nbytes),
+                       narrow(ndims), narrow(numbers))
+
+
+def narrow(a: array) -> array:
+    """``a`` with the smallest signed typecode of 1, 4 or 8 bytes that holds its values."""
+    if not a:
+        return array("b")
+    lo, hi = min(a), max(a)
+    for code, bound in (("b", 1 << 7), ("i", 1 << 31)):
+        if array(code).itemsize * 8 == bound.bit_length() and -bound <= lo and hi < bound:
+            return array(code, a)
+    return a
+
+
+def unpack_specs(packed: PackedSpecs) -> list[ItemSpec]:
+    """The :class:`ItemSpec` objects of a :func:`pack_specs` payload (``owner`` is not sent)."""
+    kind_of = tuple(ItemKind)
+    out = []
+    pos = 0
+    for i, fqn in enumerate(packed.fqns):
+        nd = packed.ndims[i]
+        if nd < 0:
+            o = z = g = None
+        else:
+            nums = packed.numbers
+            o = tuple(nums[pos:pos + nd])
+            z = tuple(nums[pos + nd:pos + 2 * nd])
+            g = tuple(nums[pos + 2 * nd:pos + 3 * nd])
+            pos += 3 * nd
+        out.append(ItemSpec(fqn, kind_of[packed.kinds[i]], o, z, g,
+                            packed.dtype_table[packed.dtype_index[i]], packed.nbytes[i]))
+    return out
+
+
+def result_keys(rows: list | None) -> list[WriteResult]:
+    """Write result rows with their keys normalised (after pickling)."""
+    return [(item_key(*k), rel, int(off), int(n)) for k, rel, off, n in rows or ()]
+
+
+# ---------------------------------------------------------------------------------------------
+# The reuse status word
+# ---------------------------------------------------------------------------------------------
+# One int64, reduced with bitwise AND: bits 0-1 the status as a thermometer code (so AND is
+# MIN), bits 2-31 the save's identity (15 bits of its sequence number, 15 bits of a hash of its
+# directory), bits 32-61 their complement. If every rank ran the same save, the AND gives back
+# the identity and its exact complement; if two ranks differ in an identity bit, that bit is 0
+# in both halves, which every rank sees (the reduced value is the same everywhere). A rank whose
+# save() raised does not know for sure which directory the others save to: it sends 1s in both
+# halves of the directory part (a wildcard that AND leaves to the other ranks).
+
+_STATUS_CODE = {Status.FAILED: 0b00, Status.DRIFT: 0b01, Status.OK: 0b11}
+_CODE_STATUS = {v: k for k, v in _STATUS_CODE.items()}
+_HALF = 15
+_HALF_MASK = (1 << _HALF) - 1
+_ID_BITS = 2 * _HALF
+_ID_MASK = (1 << _ID_BITS) - 1
+
+
+class SaveIdentity(NamedTuple):
+    """Which save a rank is running: its sequence number's low bits and its directory's hash
+    (``None``: any directory, see above)."""
+
+    seq_bits: int
+    dir_bits: int | None
+
+    def agrees(self, other: SaveIdentity) -> bool:
+        """Two ranks run the same save (what the planning gather checks)."""
+        return self.seq_bits == other.seq_bits and (
+            self.dir_bits is None or other.dir_bits is None or self.dir_bits == other.dir_bits)
+
+
+def save_identity(seq: int, directory: str | None) -> SaveIdentity:
+    """The identity of one save, equal on every rank that runs it."""
+    if directory is None:
+        return SaveIdentity(seq & _HALF_MASK, None)
+    digest = hashlib.blake2b(directory.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    return SaveIdentity(seq & _HALF_MASK, int.from_bytes(digest, "little") & _HALF_MASK)
+
+
+def encode_status(status: Status, ident: SaveIdentity) -> int:
+    seq_part = ident.seq_bits | ((~ident.seq_bits & _HALF_MASK) << _ID_BITS)
+    if ident.dir_bits is None:
+        dir_part = (_HALF_MASK << _HALF) | (_HALF_MASK << (_ID_BITS + _HALF))
+    else:
+        dir_part = (ident.dir_bits << _HALF) | ((~ident.dir_bits & _HALF_MASK) << (_ID_BITS + _HALF))
+    return _STATUS_CODE[status] | (seq_part << 2) | (dir_part << 2)
+
+
+def decode_status(word: int, ident: SaveIdentity) -> Status | None:
+    """The agreed status, or ``None`` if the ranks were not all running save ``ident``."""
+    code = word & 0b11
+    ids = (word >> 2) & _ID_MASK
+    comp = (word >> (2 + _ID_BITS)) & _ID_MASK
+    seq, seq_c = ids & _HALF_MASK, comp & _HALF_MASK
+    d, d_c = ids >> _HALF, comp >> _HALF
+    if seq != ident.seq_bits or seq_c != (~ident.seq_bits & _HALF_MASK) or code not in _CODE_STATUS:
+        return None
+    if ident.dir_bits is not None:
+        ok = d == ident.dir_bits and d_c == (~ident.dir_bits & _HALF_MASK)
+    else:  # a wildcard: every rank a wildcard, or the others agree among themselves
+        ok = (d == d_c == _HALF_MASK) or (d_c == (~d & _HALF_MASK))
+    return _CODE_STATUS[code] if ok else None

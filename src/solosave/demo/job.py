@@ -1,0 +1,191 @@
+"""One rank of the demo job: a process started by torchrun / ``torch.distributed.run``.
+
+Each rank, in order:
+
+1. :func:`build` joins the gloo process group and builds the GPT (seeded by ``--seed``, the same
+   on every rank) and AdamW, wrapped in DDP (``--parallel ddp``) or sharded with FSDP2
+   ``fully_shard`` (``--parallel fsdp``: the checkpoint holds DTensor shards), and generates the
+   corpus (:mod:`solosave.demo.data`);
+2. :func:`resume` (``--load``) restores the newest published checkpoint - model, optimizer, step,
+   data position and this rank's RNG state - so a resumed run continues the loss curve bit for bit;
+3. :func:`checkpointing` (``--save``) opens a :class:`~solosave.integrations.CheckpointManager`;
+4. :func:`loop` trains until ``--steps``, reading its batches at the data position, and saves every
+   ``--save-interval`` steps and at the last step without waiting for the save;
+5. :func:`drain` waits for the saves still in flight (also when the loop raised) and rank 0 prints
+   the summary of the saves;
+6. :func:`finish`: rank 0 verifies the last checkpoint, then every rank leaves the process group.
+
+:func:`run_rank` runs them and turns a user-fixable error into one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import solosave
+
+from .._errors import SolosaveError
+from ..integrations import CheckpointManager, checkpointer_from_args, find_latest_checkpoint
+from .data import batch_at, lr_at, make_corpus
+from .model import make_model
+from .report import Reporter
+
+
+@dataclass
+class RankState:
+    """What one rank trains: ``train_model`` is the DDP wrapper of ``model`` or, under FSDP2,
+    ``model`` itself (sharded in place)."""
+
+    model: Any
+    train_model: Any
+    opt: Any
+    corpus: Any
+    rank: int
+    world: int
+    resumed_from: str | None = None  # the checkpoint directory resume() loaded, if any
+
+
+def build(args: argparse.Namespace) -> RankState:
+    """Join the process group; build the model, its data-parallel wrapping, AdamW and the corpus."""
+    dist.init_process_group("gloo")
+    torch.manual_seed(args.seed)
+    model = make_model(args)
+    if args.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for blk in model.blocks:
+            fully_shard(blk)
+        fully_shard(model)
+        train_model = model
+    else:
+        train_model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(train_model.parameters(), lr=args.lr, weight_decay=0.01)
+    return RankState(model, train_model, opt, make_corpus(args.vocab), dist.get_rank(), dist.get_world_size())
+
+
+def state_dict(state: RankState, step: int, position: int) -> dict[str, Any]:
+    """What a checkpoint holds: model, optimizer, step, data position and this rank's RNG state."""
+    msd, osd = get_state_dict(state.train_model, state.opt)
+    return {"model": msd, "optim": osd, "train": {"step": step, "data_position": position},
+            "rng": {f"rank{state.rank}": torch.get_rng_state()}}
+
+
+def _resume_point(args: argparse.Namespace) -> tuple[int, str] | None:
+    """Rank 0 picks the newest published checkpoint under ``--load``; every rank gets its choice."""
+    choice = [find_latest_checkpoint(args.load) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def resume(args: argparse.Namespace, state: RankState) -> tuple[int, int]:
+    """Load the newest published checkpoint under ``--load`` into ``state`` (and this rank's RNG);
+    return ``(step, data position)`` to continue from: ``(0, 0)`` without one."""
+    point = _resume_point(args) if args.load else None
+    if args.load and point is None and state.rank == 0:
+        print(f"no published checkpoint under {args.load}: starting from step 0", flush=True)
+    if point is None:
+        return 0, 0
+    sd = state_dict(state, 0, 0)
+    solosave.load(sd, point[1])
+    set_state_dict(state.train_model, state.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    torch.set_rng_state(sd["rng"][f"rank{state.rank}"])
+    state.resumed_from = point[1]
+    step, position = int(sd["train"]["step"]), int(sd["train"]["data_position"])
+    if state.rank == 0:
+        print(f"resumed from {point[1]} (step {step})", flush=True)
+    return step, position
+
+
+def checkpointing(args: argparse.Namespace, state: RankState, reporter: Reporter) -> CheckpointManager | None:
+    """The checkpoint manager the flags describe (``None`` without ``--save``); every rank."""
+    if not args.save:
+        return None
+    ckpt = checkpointer_from_args(args, resumed_from=state.resumed_from)
+    return CheckpointManager(args.save, ckpt, keep_last=args.keep_last,
+                             async_save=args.async_save, on_done=reporter.save_done)
+
+
+def train_step(args: argparse.Namespace, state: RankState, step: int, position: int) -> float:
+    """One optimizer step on this rank's batch at ``position``; returns the loss averaged over ranks."""
+    for group in state.opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    x, y = batch_at(state.corpus, position, state.rank, args.batch_size, args.seq_len)
+    logits = state.train_model(x)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
+    state.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    state.opt.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return float(mean) / state.world
+
+
+def loop(args: argparse.Namespace, state: RankState, manager: CheckpointManager | None,
+         reporter: Reporter, step: int, position: int) -> None:
+    """Train from ``step`` to ``--steps``; save every ``--save-interval`` steps and at the last one."""
+    interval = args.save_interval or args.steps
+    while step < args.steps:
+        step += 1
+        loss = train_step(args, state, step, position)
+        position += args.batch_size * state.world
+        reporter.step(step, loss)
+        if manager is not None:
+            manager.poll()
+            if step % interval == 0 or step == args.steps:
+                manager.save(step, state_dict(state, step, position))
+
+
+def drain(manager: CheckpointManager | None, reporter: Reporter) -> int:
+    """Wait for the saves in flight and close the manager; print the summary. Returns the number of
+    failed saves."""
+    failures = 0
+    if manager is not None:
+        manager.finish()
+        failures = len(manager.failures)
+    reporter.summary()
+    return failures
+
+
+def finish(state: RankState, manager: CheckpointManager | None, failures: int) -> int:
+    """Rank 0 verifies the last published checkpoint; every rank leaves the process group.
+    Returns the rank's exit status: 1 if a save failed or the verification found problems."""
+    if state.rank == 0 and manager is not None and manager.done and manager.done[-1].result is not None:
+        last = manager.done[-1].path
+        report = solosave.verify_checkpoint(last)
+        print(f"verified {last}: {'ok' if report.ok else report.problems} "
+              f"({report.records} records, checksums {report.checksums})", flush=True)
+        failures += 0 if report.ok else 1
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """One rank of the job. A user-fixable error (bad prepared metadata, an existing checkpoint,
+    a bad flag) prints one line on rank 0 and returns 2 on every rank, without a traceback."""
+    try:
+        return _run(args)
+    except (SolosaveError, ValueError, FileNotFoundError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"solosave train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    state = build(args)
+    step, position = resume(args, state)
+    reporter = Reporter(args, state.rank, step)
+    manager = checkpointing(args, state, reporter)
+    try:
+        loop(args, state, manager, reporter, step, position)
+    finally:
+        failures = drain(manager, reporter)
+    return finish(state, manager, failures)
