@@ -288,26 +288,3 @@ def test_save_raising_on_one_rank_only(tmp_path, case_log):
              "that rank: TypeError at once; every later wait() on every rank: CheckpointError 'ranks are out "
              "of step' (no .metadata for c1..c3, nothing published from two saves' files); recreated "
              "checkpointers saved c4, which loads", time.monotonic() - t0)
-
-
-def test_status_word_agrees_like_min_and_exposes_mixed_saves():
-    """The reuse status word (no processes): AND of the ranks' words is MIN of their statuses
-    when they run the same save, and every rank sees it when any rank runs another save."""
-    import itertools
-    import random
-
-    from solosave._engine import STATUS_DRIFT, STATUS_FAILED, STATUS_OK, decode_status, encode_status
-
-    statuses = (STATUS_FAILED, STATUS_DRIFT, STATUS_OK)
-    rng = random.Random(0)
-    for _ in range(200):
-        ident = rng.getrandbits(30)
-        for combo in itertools.product(statuses, repeat=3):
-            word = encode_status(combo[0], ident) & encode_status(combo[1], ident) & encode_status(combo[2], ident)
-            assert decode_status(word, ident) == min(combo)
-        other = rng.getrandbits(30)
-        if other == ident:
-            continue
-        for s1, s2 in itertools.product(statuses, repeat=2):
-            word = encode_status(s1, ident) & encode_status(s2, other)
-            assert decode_status(word, ident) is None and decode_status(word, other) is None

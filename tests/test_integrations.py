@@ -28,17 +28,21 @@ def test_megatron_flag_names_and_defaults():
     a = parse("--save", "s", "--save-interval", 5, "--async-save", "--use-persistent-ckpt-worker",
               "--ckpt-metadata", "p.md", "--ckpt-metadata-create", "--ckpt-assume-constant-structure",
               "--dist-ckpt-workers", 2, "--keep-last", 3, "--load", "s")
-    assert (a.save, a.save_interval, a.async_save, a.use_persistent_ckpt_worker, a.ckpt_metadata,
-            a.ckpt_metadata_create, a.ckpt_assume_constant_structure, a.dist_ckpt_workers,
+    assert (a.save, a.save_interval, a.async_save, a.persistent_worker, a.prepared_metadata,
+            a.create_prepared_metadata, a.assume_constant_structure, a.workers,
             a.keep_last, a.load) == ("s", 5, True, True, "p.md", True, True, 2, 3, "s")
     d = parse()
-    assert not d.async_save and d.dist_ckpt_workers == 1 and d.ckpt_metadata is None
+    assert not d.async_save and d.workers == 1 and d.prepared_metadata is None
+    assert not d.persistent_worker  # Megatron's flags are opt-in; the API's default is True
+    assert d.on_layout_drift == "fallback" and d.timeout == 600.0
     it.validate_checkpoint_args(d)
     it.validate_checkpoint_args(parse("--save", "s", "--ckpt-metadata", "p.md"))  # no constant-structure needed
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--ckpt-metadata-create"], "needs --ckpt-metadata FILE"),
+    (["--ckpt-metadata-create"], "--ckpt-metadata-create needs --ckpt-metadata naming the file"),
+    (["--ckpt-on-layout-drift", "ignore"], "invalid choice"),
+    (["--ckpt-timeout", "0"], "--ckpt-timeout must be a positive number"),
     (["--save", "s", "--ckpt-metadata", "auto", "--ckpt-metadata-create"], "drop --ckpt-metadata-create"),
     (["--ckpt-metadata", "auto"], "add --save"),
     (["--save", "s", "--save-interval", "0"], "--save-interval must be >= 1"),
@@ -46,9 +50,14 @@ def test_megatron_flag_names_and_defaults():
     (["--save", "s", "--keep-last", "0"], "--keep-last must be >= 1"),
     (["--dist-ckpt-workers", "0"], "--dist-ckpt-workers must be >= 1"),
 ])
-def test_bad_flag_combinations_name_the_fix(argv, needle):
+def test_bad_flag_combinations_name_the_fix(argv, needle, capsys):
+    try:
+        args = parse(*argv)
+    except SystemExit:  # argparse refuses it itself (choices)
+        assert needle in capsys.readouterr().err
+        return
     with pytest.raises(ValueError, match=needle.replace("-", r"\-")):
-        it.validate_checkpoint_args(parse(*argv))
+        it.validate_checkpoint_args(args)
 
 
 def test_latest_ignores_partial_and_foreign_dirs(tmp_path):

@@ -59,21 +59,3 @@ def test_unpicklable_value_error_names_key():
 def test_state_dict_must_be_a_mapping():
     with pytest.raises(TypeError, match="must be a dict"):
         plan_local([torch.ones(1)])
-
-
-def test_pack_specs_roundtrip_columnar_and_per_item():
-    from solosave._plan import ItemKind, ItemSpec, pack_specs, unpack_specs
-
-    specs = [ItemSpec("a", ItemKind.TENSOR, (0, 4), (4, 4), (8, 8), "float32", 64),
-             ItemSpec("b", ItemKind.BYTES),
-             ItemSpec("c", ItemKind.TENSOR, (), (), (), "bfloat16", 2),
-             ItemSpec("d", ItemKind.TENSOR, (1 << 40,), (3,), ((1 << 40) + 3,), "int64", (1 << 33))]
-    packed = pack_specs(specs)
-    assert packed[0] == "cols"
-    assert unpack_specs(packed) == specs
-    # offsets, sizes and global size of different lengths: the per-item form, same specs
-    odd = specs + [ItemSpec("e", ItemKind.TENSOR, (0,), (2, 2), (4, 4), "float32", 16)]
-    packed = pack_specs(odd)
-    assert packed[0] == "specs"
-    assert unpack_specs(packed) == odd
-    assert pack_specs([])[0] == "cols" and unpack_specs(pack_specs([])) == []

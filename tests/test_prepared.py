@@ -118,7 +118,7 @@ def test_atomic_write_leaves_no_temp(tmp_path):
 
 
 @pytest.mark.parametrize("kw, needle", [
-    ({"create_prepared_metadata": True}, "needs prepared_metadata=<path>"),
+    ({"create_prepared_metadata": True}, "create_prepared_metadata needs prepared_metadata naming the file"),
     ({"workers": 0}, "workers must be"),
     ({"on_layout_drift": "ignore"}, "on_layout_drift"),
     ({"timeout": 0}, "timeout"),

@@ -32,11 +32,16 @@ def option(default: Any, *, flag: str, help: str, metavar: str | None = None,  #
 
 
 class OptionError(ValueError):
-    """An option has a bad value; ``option`` names it (a field name)."""
+    """An option has a bad value. ``template`` names options as ``{field}``: the message shows
+    the field names (the API) or, through :func:`options_from_args`, the flags."""
 
-    def __init__(self, name: str, message: str) -> None:
-        self.option = name
-        super().__init__(f"{name} {message}")
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self.render(lambda name: name))
+
+    def render(self, name_of: Any) -> str:
+        names = {f.name: name_of(f.name) for cls in _OPTION_CLASSES for f in dataclasses.fields(cls)}
+        return self.template.format(**names)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,22 +80,22 @@ class CheckpointerOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
-            raise OptionError("workers", f"must be an int >= 1 (files per rank), got {self.workers!r}")
+            raise OptionError(f"{{workers}} must be >= 1 (an int: files per rank), got {self.workers!r}")
         if self.on_layout_drift not in DRIFT_POLICIES:
-            raise OptionError("on_layout_drift", f"must be one of {DRIFT_POLICIES}, got {self.on_layout_drift!r}")
+            raise OptionError(f"{{on_layout_drift}} must be one of {DRIFT_POLICIES}, got {self.on_layout_drift!r}")
         if not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool) and self.timeout > 0):
-            raise OptionError("timeout", f"must be a positive number of seconds, got {self.timeout!r}")
+            raise OptionError(f"{{timeout}} must be a positive number of seconds, got {self.timeout!r}")
         pm = self.prepared_metadata
         if pm is not None and not isinstance(pm, (str, os.PathLike, Metadata, PreparedMetadata)):
             raise TypeError("prepared_metadata must be a path, a torch.distributed.checkpoint "
                             f"Metadata or a solosave.PreparedMetadata, got {type(pm).__name__}")
         if self.create_prepared_metadata:
             if pm is None:
-                raise OptionError("create_prepared_metadata", "needs prepared_metadata naming the file to "
-                                  "create (e.g. prepared_metadata='prepared.metadata')")
+                raise OptionError("{create_prepared_metadata} needs {prepared_metadata} naming the file to "
+                                  "create (e.g. prepared.metadata)")
             if isinstance(pm, (Metadata, PreparedMetadata)):
-                raise OptionError("create_prepared_metadata", "needs a file path, not a Metadata object: "
-                                  "pass the path to create, or drop create_prepared_metadata to reuse "
+                raise OptionError("{create_prepared_metadata} needs a file path, not a Metadata object: "
+                                  "pass the path to create, or drop {create_prepared_metadata} to reuse "
                                   "the object as it is")
 
     @property
@@ -122,15 +127,26 @@ def add_option_flags(group: Any, cls: type = CheckpointerOptions) -> None:
         if f.type in (bool, "bool"):
             group.add_argument(meta["flag"], dest=f.name, action="store_true", default=default, help=meta["help"])
             continue
-        kind = {"int": int, "float": float}.get(str(f.type), None)
+        kind = {"int": int, "float": float}.get(str(f.type).split("|")[0].strip())
         group.add_argument(meta["flag"], dest=f.name, type=kind, default=default, metavar=meta["metavar"],
                            choices=meta["choices"], help=meta["help"])
 
 
-def flag_of(name: str, cls: type = CheckpointerOptions) -> str:
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            return f.metadata["flag"]
+#: Every options dataclass whose fields an :class:`OptionError` may name (see ``register``).
+_OPTION_CLASSES: list[type] = [CheckpointerOptions]
+
+
+def register(cls: type) -> type:
+    """Class decorator: ``cls`` (declared with :func:`option`) may be named in errors."""
+    _OPTION_CLASSES.append(cls)
+    return cls
+
+
+def flag_of(name: str) -> str:
+    for cls in _OPTION_CLASSES:
+        for f in dataclasses.fields(cls):
+            if f.name == name:
+                return f.metadata["flag"]
     return name
 
 
@@ -141,4 +157,4 @@ def options_from_args(args: argparse.Namespace, cls: type = CheckpointerOptions,
     try:
         return cls(**kw)
     except OptionError as e:
-        raise ValueError(str(e).replace(e.option, flag_of(e.option, cls), 1)) from e
+        raise ValueError(e.render(flag_of)) from e

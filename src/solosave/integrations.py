@@ -38,7 +38,7 @@ from typing import Any
 from ._checkpointer import AsyncCheckpointer, SaveHandle
 from ._errors import SolosaveError
 from ._format import METADATA_FILE
-from ._options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args
+from ._options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args, register
 from ._prepared import PreparedMetadata, load_prepared_metadata
 from ._publish import atomic_write
 from ._result import SaveResult
@@ -50,6 +50,7 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 AUTO = "auto"
 
 
+@register
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunOptions:
     """The flags of a training run's checkpointing that are not checkpointer options (those are
@@ -68,11 +69,11 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
-            raise OptionError("save_interval", f"must be >= 1, got {self.save_interval}")
+            raise OptionError(f"{{save_interval}} must be >= 1, got {self.save_interval}")
         if self.save_interval is not None and not self.save:
-            raise OptionError("save_interval", "needs --save DIR (where the checkpoints go)")
+            raise OptionError("{save_interval} needs {save} DIR (where the checkpoints go)")
         if self.keep_last is not None and self.keep_last < 1:
-            raise OptionError("keep_last", f"must be >= 1 (the newest good checkpoint is always "
+            raise OptionError(f"{{keep_last}} must be >= 1 (the newest good checkpoint is always "
                               f"kept), got {self.keep_last}")
 
 

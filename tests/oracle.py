@@ -1,0 +1,175 @@
+"""The per-item reference planner: the test oracle of ``solosave._global_plan``.
+
+One Python object per item and plain loops: slow at scale, easy to check by reading. The tests
+assert that the columnar planner decides exactly what this one decides (metadata, writers and
+the same error wording).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from solosave._chunks import validate_chunks
+from solosave._format import ItemKey, as_key, dtype_from_name
+from solosave._layout import PlanValidationError, shared_size
+from solosave._protocol import ItemKind, ItemSpec, PlanRequest, unpack_specs
+
+
+def assign_writers(
+    staged: Sequence[Iterable[ItemSpec]],
+    prefer: Mapping[ItemKey, int] | None = None,
+) -> list[list[ItemSpec]]:
+    """Choose one writer per item among the ranks that staged it.
+
+    Items held by one rank go to it. Replicated items are visited in a fixed order (largest
+    first, then by key) and each goes to the holder with the fewest bytes assigned so far (ties:
+    lowest rank), unless ``prefer`` names a holder (a rank that already wrote it). Returns the
+    per-rank items, each list sorted by key. Linear in the items plus a sort of the replicated
+    ones.
+    """
+    first: dict[ItemKey, int] = {}
+    multi: dict[ItemKey, list[int]] = {}
+    out: list[list[ItemSpec]] = []
+    for rank, specs in enumerate(staged):
+        mine: list[ItemSpec] = []
+        for s in specs:
+            k = (s.fqn, s.offsets)
+            r0 = first.setdefault(k, rank)
+            if r0 == rank:
+                mine.append(s)
+            elif k in multi:
+                multi[k].append(rank)
+            else:
+                multi[k] = [r0, rank]
+        out.append(mine)
+    spec_of: dict[ItemKey, ItemSpec] = {}
+    if multi:  # take replicated items back from their first holder; placed below
+        for r in {hs[0] for hs in multi.values()}:
+            keep = []
+            for s in out[r]:
+                k = (s.fqn, s.offsets)
+                if k in multi:
+                    spec_of[k] = s
+                else:
+                    keep.append(s)
+            out[r] = keep
+    load = [sum(max(s.nbytes, 1) for s in lst) for lst in out]
+    order = sorted(multi, key=lambda k: (-spec_of[k].nbytes, k[0], k[1] or ()))
+    for k in order:
+        hs = multi[k]
+        p = prefer.get(k) if prefer else None
+        r = p if p is not None and p in hs else min(hs, key=lambda x: (load[x], x))
+        out[r].append(spec_of[k])
+        load[r] += max(spec_of[k].nbytes, 1)
+    by_key = operator.attrgetter("fqn", "offsets")  # offsets differ only between tensor chunks
+    for lst in out:
+        lst.sort(key=by_key)
+    return out
+
+
+class _TensorGroup:
+    """The chunks of one tensor seen so far, while merging the ranks' items."""
+
+    __slots__ = ("size", "dtype", "chunks", "bad")
+
+    def __init__(self, size: tuple[int, ...], dtype: str | None) -> None:
+        self.size = size
+        self.dtype = dtype
+        self.chunks: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.bad = False
+
+
+_BYTES = object()
+
+
+def build_state_dict_metadata(all_specs: Iterable[ItemSpec]) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
+    """Merge every rank's items (duplicates of replicated items allowed) into DCP's
+    ``state_dict_metadata`` and validate each tensor's chunks (see :func:`validate_chunks`).
+
+    Linear in the items, plus one sort of each tensor's chunks: O(n log n) in the chunks. Equal
+    chunk sizes share one ``torch.Size`` (smaller ``.metadata``, fewer objects to load).
+    """
+    groups: dict[str, _TensorGroup | object] = {}
+    errors: list[str] = []
+    for s in all_specs:
+        g = groups.get(s.fqn)
+        if g is None:
+            if s.kind is ItemKind.BYTES:
+                groups[s.fqn] = _BYTES
+                continue
+            if s.global_size is None or s.offsets is None or s.sizes is None:
+                raise PlanValidationError(f"{s.fqn!r}: a tensor item without offsets/sizes")
+            g = groups[s.fqn] = _TensorGroup(s.global_size, s.dtype)
+        elif (g is _BYTES) != (s.kind is ItemKind.BYTES):
+            if g is not _BYTES and not g.bad:  # type: ignore[union-attr]
+                g.bad = True  # type: ignore[union-attr]
+            errors.append(f"{s.fqn!r} is a tensor on some ranks and a non-tensor on others")
+            continue
+        if g is _BYTES:
+            continue
+        if g.bad:  # type: ignore[union-attr]
+            continue
+        if s.global_size != g.size or s.dtype != g.dtype:  # type: ignore[union-attr]
+            g.bad = True  # type: ignore[union-attr]
+            errors.append(f"{s.fqn!r} has size {list(g.size)} {g.dtype} on one rank "  # type: ignore[union-attr]
+                          f"and {list(s.global_size or ())} {s.dtype} on another")
+            continue
+        prev = g.chunks.setdefault(s.offsets, s.sizes)  # type: ignore[union-attr,arg-type]
+        if prev != s.sizes:
+            g.bad = True  # type: ignore[union-attr]
+            errors.append(f"{s.fqn!r}: the chunk at {list(s.offsets or ())} has size {list(prev)} on "
+                          f"one rank and {list(s.sizes or ())} on another")
+    md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    sizes_cache: dict[tuple[int, ...], torch.Size] = {}
+    for fqn, g in groups.items():
+        if g is _BYTES:
+            md[fqn] = BytesStorageMetadata()
+            continue
+        assert isinstance(g, _TensorGroup)  # noqa: S101 - the two kinds of group
+        if g.bad:
+            continue
+        chunks = sorted(g.chunks.items())
+        errors.extend(validate_chunks(fqn, g.size, chunks))
+        md[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype_from_name(g.dtype or "float32")),
+            size=torch.Size(g.size),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(off), sizes=shared_size(sizes_cache, sz))
+                    for off, sz in chunks],
+        )
+    if errors:
+        shown = "; ".join(errors[:20]) + (f"; ... ({len(errors)} errors)" if len(errors) > 20 else "")
+        raise PlanValidationError(f"the ranks' state dicts do not form one checkpoint: {shown}")
+    return md
+
+
+
+
+def oracle_plan(requests: Sequence[PlanRequest]) -> tuple[dict, list[list[int]]]:
+    """``(state_dict_metadata, writes)`` as ``global_plan`` decides them, per item."""
+    held = [unpack_specs(r.specs) for r in requests]
+    staged = [[held[r][i] for i in (req.staged if req.staged is not None else range(len(held[r])))]
+              for r, req in enumerate(requests)]
+    sdm = build_state_dict_metadata(s for specs in held for s in specs)
+    keys = {s.key for specs in staged for s in specs}
+    nobody = {s.key for specs in held for s in specs} - keys
+    if nobody:
+        raise PlanValidationError(f"{len(nobody)} item(s) were staged by no rank")
+    prefer: dict[ItemKey, int] = {}
+    for r, req in enumerate(requests):
+        for k, *_ in req.prewritten or ():
+            prefer.setdefault(as_key(k), r)
+    assigned = assign_writers(staged, prefer)
+    writes = []
+    for r, specs in enumerate(held):
+        pos = {s.key: i for i, s in enumerate(specs)}
+        writes.append(sorted(pos[s.key] for s in assigned[r]))
+    return sdm, writes

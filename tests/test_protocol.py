@@ -1,0 +1,76 @@
+"""Tests of ``solosave._protocol``: columnar specs round-trip, the reuse status word."""
+
+import itertools
+import pickle
+import random
+
+import pytest
+
+from solosave._protocol import (
+    ItemKind,
+    ItemSpec,
+    PlanRequest,
+    Status,
+    decode_status,
+    encode_status,
+    pack_specs,
+    save_identity,
+    unpack_specs,
+)
+
+
+def test_pack_specs_roundtrip_and_narrow_columns():
+    specs = [ItemSpec("a", ItemKind.TENSOR, (0, 4), (4, 4), (8, 8), "float32", 64),
+             ItemSpec("b", ItemKind.BYTES),
+             ItemSpec("c", ItemKind.TENSOR, (), (), (), "bfloat16", 2),
+             ItemSpec("d", ItemKind.TENSOR, (1 << 40,), (3,), ((1 << 40) + 3,), "int64", (1 << 33))]
+    packed = pack_specs(specs)
+    assert unpack_specs(packed) == specs
+    assert packed.kinds == bytes([0, 1, 0, 0]) and packed.dtype_table == ["float32", None, "bfloat16", "int64"]
+    assert packed.numbers.typecode == "q" and pack_specs(specs[:3]).numbers.typecode == "b"
+    assert unpack_specs(pack_specs([])) == []
+    # a message survives pickling as its own named type
+    req = PlanRequest(save_identity(3, "/d"), packed, None, {}, None, [])
+    back = pickle.loads(pickle.dumps(req))
+    assert back == req and type(back.specs).__name__ == "PackedSpecs"
+
+
+def test_irregular_specs_are_an_internal_error():
+    with pytest.raises(ValueError, match="internal"):
+        pack_specs([ItemSpec("e", ItemKind.TENSOR, (0,), (2, 2), (4, 4), "float32", 16)])
+
+
+def test_status_word_agrees_like_min_and_exposes_mixed_saves():
+    """AND of the ranks' words is MIN of their statuses when they run the same save, and every
+    rank sees it when any rank runs another save."""
+    rng = random.Random(0)
+    for _ in range(100):
+        seq, d = rng.getrandbits(20), f"/ckpt/{rng.getrandbits(32)}"
+        ident = save_identity(seq, d)
+        for combo in itertools.product(Status, repeat=3):
+            word = encode_status(combo[0], ident) & encode_status(combo[1], ident) & encode_status(combo[2], ident)
+            assert decode_status(word, ident) == min(combo)
+        for other in (save_identity(seq + 1, d), save_identity(seq, d + "x")):
+            if other == ident:
+                continue
+            for s1, s2 in itertools.product(Status, repeat=2):
+                word = encode_status(s1, ident) & encode_status(s2, other)
+                assert decode_status(word, ident) is None and decode_status(word, other) is None
+
+
+def test_an_aborted_save_is_a_wildcard_on_the_directory_only():
+    ident, wild = save_identity(7, "/ckpt/a"), save_identity(7, None)
+    word = encode_status(Status.OK, ident) & encode_status(Status.FAILED, wild)
+    assert decode_status(word, ident) == Status.FAILED and decode_status(word, wild) == Status.FAILED
+    both_wild = encode_status(Status.FAILED, wild) & encode_status(Status.FAILED, wild)
+    assert decode_status(both_wild, wild) == Status.FAILED
+    # two different directories are still seen, by the wildcard rank too
+    word = encode_status(Status.OK, ident) & encode_status(Status.OK, save_identity(7, "/ckpt/b")) \
+        & encode_status(Status.FAILED, wild)
+    assert decode_status(word, ident) is None and decode_status(word, wild) is None
+    # another sequence number is never hidden by a wildcard
+    assert decode_status(encode_status(Status.OK, ident) & encode_status(Status.FAILED, save_identity(8, None)),
+                         ident) is None
+    # a directory that is not valid UTF-8 (a byte escaped by the file-system encoding) works
+    odd = save_identity(1, b"/ckpt/\xff".decode("utf-8", "surrogateescape"))
+    assert decode_status(encode_status(Status.OK, odd), odd) == Status.OK
