@@ -255,8 +255,9 @@ class Stager:
 class BufferReader:
     """Worker-side view of the trainer's staging buffer (mapped once, kept while current).
 
-    It maps the segment's file directly (``/dev/shm/<name>`` or the staging file), read-only,
-    without ``multiprocessing.shared_memory``: no resource tracker learns of it, so a reader
+    It maps the segment's file directly (``/dev/shm/<name>`` or the staging file; writable, as
+    ``torch.frombuffer`` wants, though the reader only reads), without
+    ``multiprocessing.shared_memory``: no resource tracker learns of it, so a reader
     never unlinks, or unregisters, a buffer that its trainer owns (thread mode shares the
     trainer's tracker)."""
 
@@ -292,8 +293,8 @@ def _map(name: str, size: int) -> mmap.mmap:
     path = os.path.join(_SHM_DIR, where) if kind == "shm" else where
     if kind not in ("shm", "file") or not where:
         raise ValueError(f"internal: unknown staging buffer {name!r}")
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, max(size, 1), prot=mmap.PROT_READ)
+        return mmap.mmap(fd, max(size, 1))
     finally:
         os.close(fd)

@@ -1,0 +1,216 @@
+"""The engine's protocol without processes: W threads, each a rank with its own SaveSession and
+Engine, joined by in-process channels (``solosave._coordinate.local_channels``). Milliseconds
+per case instead of seconds of process start-up."""
+
+import threading
+
+import pytest
+import torch
+
+from solosave._coordinate import local_channels
+from solosave._engine import Engine
+from solosave._options import CheckpointerOptions
+from solosave._protocol import EngineSettings, ErrorKind, SaveKind
+from solosave._session import SaveSession
+from solosave._write import FileWriter
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FailingWriter(FileWriter):
+    """Fails every file write of ``rank`` (a test fixture)."""
+
+    def __init__(self, rank):
+        super().__init__(fsync=False)
+        self.rank = rank
+
+    def write_file(self, directory, relative_path, records):
+        if relative_path.startswith(f"__{self.rank}_"):
+            raise OSError(5, "injected I/O error", relative_path)
+        return super().write_file(directory, relative_path, records)
+
+
+class Ranks:
+    """W ranks in threads: ``ranks.save(fn, path)`` runs ``fn(rank) -> state dict`` on every rank
+    and returns every rank's outcome (rank order)."""
+
+    def __init__(self, world, tmp_path, writer=None, engine_cls=Engine, **options):
+        self.world = world
+        self.tmp = tmp_path
+        opts = CheckpointerOptions(persistent_worker=False, **options)
+        channels = local_channels(world, timeout=10)
+        settings = EngineSettings(opts.workers, opts.on_layout_drift, opts.writable_prepared_path)
+        self.engines = [engine_cls(ch, settings, writer or FileWriter(fsync=False)) for ch in channels]
+        self.sessions = [SaveSession(r, world, opts, None) for r in range(world)]
+
+    def save(self, state_of, name, abort_on=(), skip_seq_on=()):
+        out = [None] * self.world
+
+        def rank(r):
+            s = self.sessions[r]
+            path = str(self.tmp / name)
+            if r in skip_seq_on:
+                s.seq += 1  # this rank's save() "timed out" earlier: it is one save ahead
+            if r in abort_on:
+                job = s.abort(path, TypeError("a value only rank %d holds cannot be saved" % r))
+            else:
+                job = s.build(state_of(r), path).job
+            out[r] = self.engines[r].run(job)
+            s.absorb(out[r])
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(o is not None for o in out), "a rank did not finish"
+        return out
+
+    def close(self):
+        for s in self.sessions:
+            s.close()
+        for e in self.engines:
+            e.close()
+
+
+def state(r, grow=False, lose=None):
+    sd = {"w": torch.arange(64, dtype=torch.float32) + r * 0, "b": torch.ones(4),
+          f"mine{r}": torch.full((3,), float(r)), "meta": {"step": 3, "sched": list(range(5000 if grow else 3))}}
+    if lose is not None and r == lose:
+        del sd["w"]
+    return sd
+
+
+def kinds(outs):
+    return [o.kind for o in outs]
+
+
+def counts(o):
+    out = {}
+    for c in o.collectives:
+        out.setdefault(c.kind, [0, 0])
+        out[c.kind][0] += 1
+        out[c.kind][1] += c.payload_bytes
+    return out
+
+
+@pytest.fixture
+def ranks(tmp_path):
+    made = []
+
+    def make(world=2, **kw):
+        r = Ranks(world, tmp_path, **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_create_then_reuse_one_all_reduce_published_everywhere(ranks):
+    rk = ranks(3, assume_constant_structure=True)
+    first = rk.save(state, "c0")
+    assert kinds(first) == [SaveKind.CREATE] * 3 and all(o.ok and o.published for o in first)
+    assert all(o.prepared_metadata is not None for o in first)
+    for i in range(1, 3):
+        outs = rk.save(state, f"c{i}")
+        assert all(o.ok and o.published for o in outs), [o.failures for o in outs]
+        assert kinds(outs) == [SaveKind.REUSE] * 3
+        assert all(counts(o) == {"all_reduce": [1, 8]} for o in outs)
+    assert (rk.tmp / "c2" / ".metadata").exists()
+
+
+def test_drift_fallback_refreshes_and_the_next_save_reuses(ranks):
+    rk = ranks(2, assume_constant_structure=True)
+    rk.save(state, "c0")
+    outs = rk.save(lambda r: state(r, grow=True), "c1")
+    assert kinds(outs) == [SaveKind.FALLBACK] * 2 and all(o.ok and o.published for o in outs)
+    assert "meta.sched" in outs[0].warnings[0] and outs[0].prepared_metadata is not None
+    assert set(counts(outs[0])) == {"all_reduce", "gather_object", "scatter_object_list", "broadcast_object_list"}
+    again = rk.save(lambda r: state(r, grow=True), "c2")
+    assert kinds(again) == [SaveKind.REUSE] * 2 and all(o.ok for o in again)
+
+
+def test_drift_raise_fails_every_rank_and_publishes_nothing(ranks):
+    rk = ranks(2, assume_constant_structure=True, on_layout_drift="raise")
+    rk.save(state, "c0")
+    outs = rk.save(lambda r: state(r, grow=True), "c1")
+    assert all(not o.ok and o.error_kind is ErrorKind.DRIFT for o in outs)
+    assert outs[0].drifts == outs[1].drifts and any("meta.sched" in d for v in outs[0].drifts.values() for d in v)
+    assert not (rk.tmp / "c1" / ".metadata").exists()
+
+
+def test_failed_write_on_one_rank_fails_every_rank_then_recovers(ranks, tmp_path):
+    rk = ranks(2, writer=FailingWriter(rank=1))
+    outs = rk.save(state, "c0")
+    assert all(not o.ok and o.error_kind is ErrorKind.FAILED for o in outs)
+    assert all(list(o.failures) == [1] and "injected I/O error" in o.failures[1] for o in outs)
+    assert not (tmp_path / "c0" / ".metadata").exists()
+    assert all(e.broken is None for e in rk.engines)  # a per-save failure: the engine goes on
+
+
+def test_a_save_that_raised_on_one_rank_fails_every_rank_at_once_and_the_next_works(ranks):
+    rk = ranks(2, assume_constant_structure=True)
+    rk.save(state, "c0")
+    for mode in ("reuse", "collective"):
+        if mode == "collective":
+            for s in rk.sessions:
+                s.prepared = None
+        outs = rk.save(state, f"bad_{mode}", abort_on={1})
+        assert all(not o.ok for o in outs), mode
+        assert all("save() raised on this rank: TypeError" in o.failures.get(1, "") for o in outs), outs
+        assert all(e.broken is None for e in rk.engines)
+        ok = rk.save(state, f"after_{mode}")
+        assert all(o.ok and o.published for o in ok), (mode, [o.failures for o in ok])
+
+
+def test_ranks_out_of_step_break_every_engine(ranks):
+    rk = ranks(2, assume_constant_structure=True)
+    rk.save(state, "c0")
+    outs = rk.save(state, "c1", skip_seq_on={1})
+    assert all(o.error_kind is ErrorKind.OUT_OF_STEP for o in outs)
+    later = rk.save(state, "c2")
+    assert all(not o.ok and "close() it and create a new" in next(iter(o.failures.values())) for o in later)
+    assert not (rk.tmp / "c1" / ".metadata").exists()
+
+
+def test_an_internal_error_is_reported_with_its_traceback(ranks):
+    class Buggy(Engine):
+        def publish(self, job, data, timings):
+            raise KeyError("a bug")
+
+    rk = ranks(2, engine_cls=Buggy)
+    outs = rk.save(state, "c0")
+    # publishing errors are the coordinator's per-save failure, reported to every rank
+    assert all(not o.ok and "publishing failed: KeyError" in o.failures[0] for o in outs)
+
+    class Buggier(Engine):
+        def _reuse_write(self, job, timings):
+            raise ZeroDivisionError("a bug")
+
+    rk = ranks(1, engine_cls=Buggier, assume_constant_structure=True)
+    rk.save(state, "d0")
+    outs = rk.save(state, "d1")
+    assert outs[0].error_kind is ErrorKind.INTERNAL
+    assert "internal error in solosave" in outs[0].failures[0] and "Traceback" in outs[0].failures[0]
+    assert "ZeroDivisionError: a bug" in outs[0].failures[0]
+
+
+def test_an_empty_state_creates_and_reuses(ranks):
+    rk = ranks(2, assume_constant_structure=True)
+    for name in ("e0", "e1"):
+        outs = rk.save(lambda r: {}, name)
+        assert all(o.ok and o.published for o in outs), [o.failures for o in outs]
+    assert kinds(outs) == [SaveKind.REUSE] * 2
+
+
+def test_a_replicated_item_lost_by_its_writer_heals_on_the_next_save(ranks):
+    rk = ranks(2, assume_constant_structure=True)
+    rk.save(state, "c0")
+    writer = next(r for r in range(2) if any(p.key[0] == "w" for p in rk.sessions[r].prepared.rank_files(r)[0][1]))
+    outs = rk.save(lambda r: state(r, lose=writer), "c1")
+    assert all(not o.ok and "staged by no rank" in " ".join(o.failures.values()) for o in outs)
+    healed = rk.save(lambda r: state(r, lose=writer), "c2")
+    assert all(o.ok and o.published for o in healed), [o.failures for o in healed]
+    assert kinds(rk.save(lambda r: state(r, lose=writer), "c3")) == [SaveKind.REUSE] * 2
