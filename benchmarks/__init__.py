@@ -5,7 +5,8 @@ One command runs, side by side in one run:
 * the **save benchmark** (:mod:`benchmarks.save_modes`): stock ``torch.distributed.checkpoint``
   (``save``; ``async_save`` with the thread and the process executor, each with and without
   ``DefaultSavePlanner(enable_plan_caching=True)``; ``async_save(use_collectives=False)``) and
-  solosave's three paths (collective, metadata cache, create+reuse) on 2 and 4 local gloo ranks,
+  solosave's three paths (collective; constant structure, whose first save's metadata is
+  kept in memory for reuse; create+reuse with a prepared file) on 2 and 4 local gloo ranks,
   with the machine's physical limits (memcpy, sequential write + fsync) measured in the same run;
   collectives are counted in every process by :file:`benchmarks/wrap_dist/sitecustomize.py`;
 * the **scale simulation** (:mod:`benchmarks.scale`): the coordinator's work and the bytes of one

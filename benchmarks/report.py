@@ -9,6 +9,8 @@ from .save_modes import LABELS, MODES
 
 Json = dict[str, Any]
 MiB = 1 << 20
+#: Width of the mode column of the save tables.
+LW = max(len(v) for v in LABELS.values())
 
 
 def fmt_bytes(n: float) -> str:
@@ -38,7 +40,7 @@ def print_save(save: Json) -> None:
         print(f"=== world size {ws}: {cfg['total_mib']} MiB total, {cfg['total_mib'] / ws_i:g} MiB/rank "
               f"({cfg['count'] // ws_i} x {cfg['total_mib'] / cfg['count']:g} MiB fp32 tensors per rank); "
               f"{cfg['saves']} saves, first {cfg['warmup']} warm-up; medians of the rest ===")
-        head = (f"{'mode':<32} {'path':<10} {'block ms':>9} {'to_pub ms':>10} {'MB/s':>6} {'coll call':>9} "
+        head = (f"{'mode':<{LW}} {'path':<10} {'block ms':>9} {'to_pub ms':>10} {'MB/s':>6} {'coll call':>9} "
                 f"{'coll all':>8} {'payload':>10}  warm-up block / to_pub ms")
         print(head)
         print("-" * len(head))
@@ -47,12 +49,12 @@ def print_save(save: Json) -> None:
             if me is None:
                 continue
             if "error" in me:
-                print(f"{LABELS[m]:<32} FAILED: {me['error'].strip().splitlines()[-1]}")
+                print(f"{LABELS[m]:<{LW}} FAILED: {me['error'].strip().splitlines()[-1]}")
                 continue
             s = me["summary"]["steady_median"]
             path = "/".join(me["summary"]["steady_paths"])
             warm = "; ".join(f"{w['block_ms']:.0f} / {w['to_published_ms']:.0f}" for w in me["summary"]["warmup"])
-            print(f"{LABELS[m]:<32} {path:<10} {s['block_ms']:>9.1f} {s['to_published_ms']:>10.1f} "
+            print(f"{LABELS[m]:<{LW}} {path:<10} {s['block_ms']:>9.1f} {s['to_published_ms']:>10.1f} "
                   f"{s['write_MBps']:>6.0f} {s['coll_calling_count']:>9.0f} {s['coll_total_count']:>8.0f} "
                   f"{fmt_bytes(s['coll_total_bytes']):>10}  {warm}")
         lim = entry.get("limits")
@@ -64,7 +66,7 @@ def print_save(save: Json) -> None:
         for m in MODES:
             me = entry["modes"].get(m)
             if me and "summary" in me:
-                print(f"  {LABELS[m]:<32} {_kinds(me['summary']['steady_kinds_rank0'])}")
+                print(f"  {LABELS[m]:<{LW}} {_kinds(me['summary']['steady_kinds_rank0'])}")
         if entry.get("ratios"):
             print("ratios (steady medians): block/memcpy, write throughput/raw write"
                   " [, DCP async (thread) block / this, to_published / this]")
@@ -76,7 +78,7 @@ def print_save(save: Json) -> None:
                 if "dcp_async_block_over_this" in r:
                     parts += [f"{_x(r['dcp_async_block_over_this']):>8}",
                               f"{_x(r['dcp_async_to_published_over_this']):>7}"]
-                print(f"  {LABELS[m]:<32} " + "  ".join(parts))
+                print(f"  {LABELS[m]:<{LW}} " + "  ".join(parts))
     print("* DCP async no-collectives writes no global .metadata (one __{rank}.metadata per rank): "
           "a different format, not loadable as one checkpoint by stock DCP.")
 
@@ -124,6 +126,30 @@ def print_scale(scale: Json) -> None:
               f"{fmt_bytes(s['metadata_bytes']):>14} | "
               f"{(format(d['t_load_unpickle'], '>10.2f') if d else 'not run'):>10} {s['t_load_unpickle']:>11.2f}")
     print("gathered = plans + write results moved to the coordinator by the two gathers of one save.")
+    print("solosave payloads against the wire form before the typed protocol (rebuilt in scale.py: "
+          "plain tuples, staged positions always sent as array('q')); new/old <= 1.000x: did not grow")
+    head = (f"{'W':>6} | {'plan/rank':>10} {'old form':>10} {'new/old':>8} | {'results/rank':>12} {'old form':>10} "
+            f"{'new/old':>8} | {'scatter (all)':>13} {'old form':>10} {'new/old':>8}")
+    print(head)
+    print("-" * len(head))
+    for s in scale["solosave"]:
+        if "plan_bytes_per_rank_old_form" not in s:
+            continue
+        print(f"{s['world']:>6} | {fmt_bytes(s['plan_bytes_per_rank']):>10} "
+              f"{fmt_bytes(s['plan_bytes_per_rank_old_form']):>10} "
+              f"{_x3(_ratio(s['plan_bytes_per_rank'], s['plan_bytes_per_rank_old_form'])):>8} | "
+              f"{fmt_bytes(s['result_bytes_per_rank']):>12} {fmt_bytes(s['result_bytes_per_rank_old_form']):>10} "
+              f"{_x3(_ratio(s['result_bytes_per_rank'], s['result_bytes_per_rank_old_form'])):>8} | "
+              f"{fmt_bytes(s['scatter_bytes']):>13} {fmt_bytes(s['scatter_bytes_old_form']):>10} "
+              f"{_x3(_ratio(s['scatter_bytes'], s['scatter_bytes_old_form'])):>8}")
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _x3(v: float | None) -> str:
+    return f"{v:.3f}x" if v is not None else "n/a"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The save benchmark: every mode on real local ranks, with the physical limits of the machine.
 
-For each world size, each mode runs in fresh processes (``tests/dist_harness.run_ranks``, gloo on
-127.0.0.1, CPU tensors). Every rank holds its own keys ``t{rank}_{i}`` (``count / world_size``
+For each world size, each mode runs in fresh processes (``benchmarks/ranks.run_ranks``, gloo on
+127.0.0.1, CPU tensors, bounded by ``--timeout``). Every rank holds its own keys ``t{rank}_{i}`` (``count / world_size``
 fp32 tensors of ``total_mib / count`` MiB), so the checkpoint holds ``total_mib`` MiB whatever the
 world size. Per save: a barrier, the timed save (the window), a barrier, rank 0 deletes the
 checkpoint, every tensor changes (``add_(1)``, a training step); only the save is timed.
@@ -15,9 +15,13 @@ Modes (``MODES``):
 ``dcp_async_process_plancache``   the same with plan caching
 ``dcp_async_nocoll``          ``async_save(use_collectives=False)``: **writes no global .metadata**
                               (one ``__{rank}.metadata`` per rank, a different format)
-``solosave_collective``       ``solosave.AsyncCheckpointer()``: every save gathers plans
-``solosave_cache``            ``AsyncCheckpointer(assume_constant_structure=True)``
-``solosave_create_reuse``     ``AsyncCheckpointer(prepared_metadata=FILE, create_prepared_metadata=True)``
+``solosave_collective``       ``solosave.AsyncCheckpointer()``: every save takes the collective path
+                              (gather plans, scatter decisions, gather results, broadcast)
+``solosave_constant``         ``AsyncCheckpointer(assume_constant_structure=True)``: the first save is
+                              collective and its metadata is kept in memory as the prepared
+                              metadata; every later save is a reuse save (one 8-byte all_reduce)
+``solosave_create_reuse``     ``AsyncCheckpointer(prepared_metadata=FILE, create_prepared_metadata=True)``:
+                              the same, with the prepared metadata also written to FILE
 
 Per save and rank: *block* is the time inside the save call (``dcp.save``, ``async_save``,
 ``AsyncCheckpointer.save``); *to_published* is from entering it until the checkpoint is complete
@@ -34,7 +38,6 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -46,7 +49,7 @@ MiB = 1 << 20
 
 DCP_MODES = ("dcp_save", "dcp_async_thread", "dcp_async_thread_plancache", "dcp_async_process",
              "dcp_async_process_plancache", "dcp_async_nocoll")
-SOLOSAVE_MODES = ("solosave_collective", "solosave_cache", "solosave_create_reuse")
+SOLOSAVE_MODES = ("solosave_collective", "solosave_constant", "solosave_create_reuse")
 MODES = DCP_MODES + SOLOSAVE_MODES
 #: Short labels for tables and plots.
 LABELS = {
@@ -55,7 +58,8 @@ LABELS = {
     "dcp_async_process": "DCP async (process)",
     "dcp_async_process_plancache": "DCP async (process, plan cache)",
     "dcp_async_nocoll": "DCP async no-collectives*",
-    "solosave_collective": "solosave collective", "solosave_cache": "solosave metadata cache",
+    "solosave_collective": "solosave collective",
+    "solosave_constant": "solosave constant structure (in-memory prepared)",
     "solosave_create_reuse": "solosave create+reuse",
 }
 
@@ -171,7 +175,7 @@ class _SolosaveSaver:
         import solosave
 
         kwargs: Json = {"workers": 1, "persistent_worker": True}
-        if mode == "solosave_cache":
+        if mode == "solosave_constant":
             kwargs["assume_constant_structure"] = True
         elif mode == "solosave_create_reuse":
             kwargs["prepared_metadata"] = os.path.join(mode_dir, "prepared.metadata")
@@ -353,15 +357,13 @@ def _div(a: float, b: float) -> float | None:
 # ---------------------------------------------------------------------------------------------
 
 def _launch(fn: Any, ws: int, *args: Any, timeout: float, log_dir: str | None = None) -> list[Json]:
-    if str(REPO / "tests") not in sys.path:
-        sys.path.insert(0, str(REPO / "tests"))
-    from dist_harness import run_ranks
+    from .ranks import run_ranks
 
     env = {}
     if log_dir is not None:
         env["SOLOSAVE_BENCH_COLLECTIVE_LOG"] = log_dir
     # The children are spawned interpreters: PYTHONPATH (for sitecustomize) must be in *this*
-    # process's environment when they start, not only in what _child sets later.
+    # process's environment when they start, not only in what the rank process sets later.
     old = {k: os.environ.get(k) for k in ("PYTHONPATH", "SOLOSAVE_BENCH_COLLECTIVE_LOG")}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WRAP_DIR), str(REPO), old["PYTHONPATH"]) if p)
     if log_dir is not None:
@@ -378,7 +380,7 @@ def _launch(fn: Any, ws: int, *args: Any, timeout: float, log_dir: str | None = 
 
 def run_save_bench(cfg: Json, out_dir: Path, progress: Any) -> Json:
     """Run the limits and every mode for every world size; returns the ``save`` report section."""
-    from . import save_modes as ranks  # by module name, so that the rank functions pickle
+    from . import save_modes as rank_fns  # by module name, so that the rank functions pickle
 
     data_root = out_dir / "data"
     report: Json = {"config": cfg, "world_sizes": {}}
@@ -390,7 +392,7 @@ def run_save_bench(cfg: Json, out_dir: Path, progress: Any) -> Json:
         os.makedirs(wcfg["data_dir"])
         progress.step(f"ws={ws} limits")
         try:
-            entry["limits"] = summarize_limits(_launch(ranks.rank_limits, ws, wcfg, timeout=cfg["timeout"]))
+            entry["limits"] = summarize_limits(_launch(rank_fns.rank_limits, ws, wcfg, timeout=cfg["timeout"]))
         except AssertionError as e:
             entry["limits"] = {"error": str(e)}
             progress.note(f"[world {ws}] limits FAILED:\n{e}")
@@ -403,7 +405,7 @@ def run_save_bench(cfg: Json, out_dir: Path, progress: Any) -> Json:
                 shutil.rmtree(d, ignore_errors=True)
                 os.makedirs(d)
             try:
-                per_rank = _launch(ranks.rank_mode, ws, m, wcfg, timeout=cfg["timeout"], log_dir=log_dir)
+                per_rank = _launch(rank_fns.rank_mode, ws, m, wcfg, timeout=cfg["timeout"], log_dir=log_dir)
             except AssertionError as e:
                 entry["modes"][m] = {"error": str(e)}
                 progress.note(f"[world {ws}] {m}: FAILED after {time.perf_counter() - t0:.1f} s:\n{e}")

@@ -20,20 +20,28 @@ two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1
   scattered plans, unpickling W write-result lists (``WriteResult`` with ``_StorageInfo``),
   ``FileSystemWriter.finish`` (builds ``storage_data``, pickles and writes ``.metadata`` with
   fsync), and pickling the ``Metadata`` that ``_DistWrapper.all_reduce`` broadcasts to every rank.
-* solosave, collective path (solosave's own code): each rank's gather payload (the tuple
-  ``Engine._collective`` sends, ``_engine.plan_payload``: columnar specs, staged positions,
-  flatten mapping), the coordinator's
-  unpickling, ``Engine._global_plan`` (merge, ``build_state_dict_metadata`` with
-  ``validate_chunks``, ``assign_writers``), pickling the scattered decisions, unpickling the write
-  results (``bucket_items`` layout), ``Engine._finish_collective`` in create mode
-  (``check_results_cover``, ``build_metadata``, ``MetadataTemplate``, atomic ``.metadata`` write
-  with fsync, reading the bytes back as the prepared metadata; no prepared file).
-* solosave, reuse path: ``MetadataTemplate`` construction (once per prepared metadata loaded
-  from a file; after a create save in the same job the engine adopts the create save's template:
-  ``t_template_after_create``),
-  then per save ``render`` + ``publish_metadata`` (atomic write, fsync); per rank per save
-  ``AsyncCheckpointer._choose`` (local planning from ``PreparedMetadata.rank_files``) +
-  ``check_layout`` (the layout guard); once per rank ``PreparedMetadata`` indexing.
+* solosave, collective path (solosave's own functions, ``solosave._collective``; no stand-ins):
+  each rank's gather payload (``plan_request`` of a real ``SaveJob`` of a create save: columnar
+  specs, staged positions only when not every held item is staged, flatten mapping), pickled as
+  the channel pickles it; the coordinator's unpickling, ``decide`` (lock-step check and
+  ``_global_plan.global_plan``: merge, chunk tiling, writer assignment, DCP's
+  ``state_dict_metadata``), pickling the scattered ``PlanDecision`` s, unpickling the
+  ``WriteReport`` s (``bucket_items`` layout, as ``write_assigned`` makes it), ``finish`` on a real
+  coordinator ``Engine`` (over an in-process channel, which ``finish`` does not use): results
+  cover the plan, ``Metadata``, ``MetadataTemplate``, atomic ``.metadata`` write with fsync, no
+  prepared file; and pickling the ``FinishNotice`` broadcast, which carries the metadata now
+  prepared to every rank (the coordinator total includes pickling it, as DCP's includes pickling
+  its ``Metadata`` broadcast). For comparison the planning payload is also built in the wire form
+  solosave used before the typed protocol (a plain 6-tuple, rebuilt in this module): the
+  simulation fails if the new payload is larger (``plan_bytes_*_old_form``; likewise, reported
+  only, ``scatter_bytes_old_form`` and ``result_bytes_*_old_form``).
+* solosave, reuse path: once per prepared metadata, every rank's ``PreparedMetadata`` (built from
+  the broadcast metadata, as ``SaveSession.absorb`` does, with its chunk-size index) and the
+  coordinator's ``MetadataTemplate`` (when loaded from a file; after a create save in the same
+  job the engine adopts the create save's template: ``t_template_after_create``); per save
+  ``render`` + ``publish_metadata`` (atomic write, fsync); per rank per save
+  ``PreparedMetadata.plan_reuse`` (local planning from the rank's files in the prepared metadata)
+  + ``check_layout`` (the layout guard) on that rank's write results.
 * loading: ``pickle.loads`` of ``.metadata`` (what every loading rank's ``FileSystemReader`` does)
   and solosave's allowlisted ``safe_loads``.
 
@@ -53,9 +61,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from array import array
 from collections import defaultdict
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 Json = dict[str, Any]
@@ -123,7 +131,8 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 # ---------------------------------------------------------------------------------------------
 
 def solosave_rank_specs(structure: list[tuple[str, tuple[int, ...]]], world: int, rank: int) -> list:
-    from solosave._plan import ItemKind, ItemSpec
+    """Rank ``rank``'s items (``ItemSpec``), sorted by fqn as ``_plan.plan_local`` sorts them."""
+    from solosave._protocol import ItemKind, ItemSpec
 
     specs = []
     for name, shape in structure:
@@ -134,21 +143,49 @@ def solosave_rank_specs(structure: list[tuple[str, tuple[int, ...]]], world: int
     return specs
 
 
-def solosave_plan_payload(specs: list) -> bytes:
-    """One rank's planning payload: the tuple ``Engine._collective`` gathers
-    (``_engine.plan_payload``: columnar specs, staged positions, flatten mapping, no pre-written
-    results, no drifts), pickled as ``Channel`` pickles it."""
-    from solosave._engine import plan_payload
+def solosave_job(specs: list, directory: str, seq: int = 1) -> Any:
+    """The ``SaveJob`` a rank's session builds for a create save of ``specs``: every item held
+    and staged (tensors at made-up buffer offsets; no buffer: nothing is written here)."""
+    from solosave._protocol import Mode, SaveJob, StagedItem, StagedSave
 
     planner_data = {s.fqn: ("model", s.fqn[len("model."):]) for s in specs}
-    local = plan_payload(specs, [s.key for s in specs], planner_data, None, [], 0)
-    return pickle.dumps(local, protocol=pickle.HIGHEST_PROTOCOL)
+    return SaveJob(seq=seq, directory=directory, mode=Mode.COLLECTIVE,
+                   staged=StagedSave(None, 0, tuple(StagedItem(s) for s in specs)),
+                   held=tuple(specs), planner_data=planner_data, make_prepared=True)
+
+
+def _dumps(obj: Any) -> bytes:
+    """Pickled as ``solosave._coordinate`` pickles every collective payload."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def solosave_plan_payload(job: Any) -> bytes:
+    """One rank's planning gather payload: ``_collective.plan_request`` (no pre-written
+    results, no drifts), pickled as the channel pickles it."""
+    from solosave._collective import plan_request
+
+    return _dumps(plan_request(job, None, []))
+
+
+def old_plan_payload(job: Any) -> bytes:
+    """The same rank's planning payload in the wire form solosave used before the typed protocol,
+    rebuilt here for comparison (not imported): the 6-tuple ``(("cols", fqns, kinds, dtype_table,
+    dtype_index, nbytes, ndims, numbers), staged positions, planner_data, prewritten, drifts,
+    identity)``, whose staged positions were always an ``array("q")`` of every staged item and
+    whose identity was an int."""
+    from solosave._protocol import pack_specs
+
+    packed = pack_specs(list(job.held))
+    old = (("cols",) + tuple(packed), array("q", range(len(job.held))), job.planner_data, None, [], 123456789)
+    return _dumps(old)
 
 
 def solosave_results(specs: list, rank: int, workers: int) -> list:
     """The write results ``FileWriter`` reports for ``specs`` (the items assigned to ``rank``):
-    ``bucket_items`` decides files and order; lengths are modelled (see module docstring)."""
-    from solosave._layout import bucket_items, file_name
+    ``bucket_items`` decides files and order, as ``_collective.write_assigned`` does; lengths are
+    modelled (see module docstring)."""
+    from solosave._format import file_name
+    from solosave._layout import bucket_items
 
     over = record_overhead()
     results = []
@@ -161,102 +198,135 @@ def solosave_results(specs: list, rank: int, workers: int) -> list:
     return results
 
 
-def _fake_engine(world: int, workers: int) -> Any:
-    """An ``Engine`` without a channel: only what ``_global_plan`` / ``_finish_collective`` use."""
-    from solosave._engine import Engine, _Cache
+def coordinator_engine(world: int, workers: int) -> Any:
+    """The coordinator's real ``Engine`` (rank 0 of ``world`` in-process channels; ``finish``
+    calls no collective, so the other ranks' channels are never used)."""
+    from solosave._coordinate import local_channels
+    from solosave._engine import Engine
+    from solosave._protocol import EngineSettings
     from solosave._write import FileWriter
 
-    e = Engine.__new__(Engine)
-    e.rank, e.world_size, e.workers = 0, world, workers
-    e.writer = FileWriter(fsync=True)
-    e.cache = _Cache()
-    e._warnings = []
-    return e
+    return Engine(local_channels(world)[0], EngineSettings(workers=workers), FileWriter(fsync=True))
 
 
-def simulate_solosave(structure: list, world: int, workers: int, directory: str,
-                      per_rank_sample: int = 3) -> Json:
+def simulate_solosave(structure: list, world: int, workers: int, directory: str) -> Json:
     """The collective path's coordinator work and the reuse path's, at world size ``world``."""
-    from solosave._checkpointer import AsyncCheckpointer
-    from solosave._engine import Mode
-    from solosave._layout import check_layout, validate_chunks
+    from solosave._chunks import validate_chunks
+    from solosave._collective import decide, finish
+    from solosave._layout import check_layout
     from solosave._plan import LocalPlan
     from solosave._prepared import PreparedMetadata
+    from solosave._protocol import Verdict, WriteReport
     from solosave._publish import MetadataTemplate, publish_metadata
     from solosave._safe_pickle import safe_loads
 
     out: Json = {"world": world}
+    ckpt = os.path.join(directory, f"solosave_w{world}")
+    os.makedirs(ckpt, exist_ok=True)
     t0 = time.perf_counter()
-    plan_payloads = [solosave_plan_payload(solosave_rank_specs(structure, world, r)) for r in range(world)]
+    plan_payloads, old_sizes = [], []
+    coord_job = None
+    for r in range(world):
+        job = solosave_job(solosave_rank_specs(structure, world, r), ckpt)
+        plan_payloads.append(solosave_plan_payload(job))
+        if r == 0:
+            coord_job = job
     out["build_rank_payloads_s"] = time.perf_counter() - t0
+    for r in range(world):  # the old wire form, for comparison only (not timed)
+        old_sizes.append(len(old_plan_payload(solosave_job(solosave_rank_specs(structure, world, r), ckpt))))
     out["plan_bytes_per_rank"] = statistics.median(map(len, plan_payloads))
     out["plan_bytes_gathered"] = sum(map(len, plan_payloads))
+    out["plan_bytes_per_rank_old_form"] = statistics.median(old_sizes)
+    out["plan_bytes_gathered_old_form"] = sum(old_sizes)
+    if out["plan_bytes_gathered"] > out["plan_bytes_gathered_old_form"]:
+        raise RuntimeError(f"the planning payload grew at W={world}: {out['plan_bytes_gathered']} bytes "
+                           f"gathered, {out['plan_bytes_gathered_old_form']} in the old form")
 
-    engine = _fake_engine(world, workers)
-    gathered, out["t_unpickle_plans"] = _timed(lambda: [pickle.loads(b) for b in plan_payloads])
+    engine = coordinator_engine(world, workers)
+    requests, out["t_unpickle_plans"] = _timed(lambda: [pickle.loads(b) for b in plan_payloads])
     del plan_payloads
-    decisions, out["t_global_plan"] = _timed(lambda: engine._global_plan(gathered))
-    if decisions[0][0] != "ok":
-        raise RuntimeError(f"solosave global plan failed at W={world}: {decisions[0][1]}")
-    del gathered
-    sdm = engine.cache.state_dict_metadata
+    (decisions, plan), out["t_global_plan"] = _timed(lambda: decide(coord_job, requests, 0))
+    if decisions[0].verdict is not Verdict.OK:
+        raise RuntimeError(f"solosave global plan failed at W={world}: {decisions[0]}")
+    del requests
+    sdm = plan.state_dict_metadata
     _, out["t_validate_chunks_only"] = _timed(lambda: [
         validate_chunks(f, tuple(m.size), [(tuple(c.offsets), tuple(c.sizes)) for c in m.chunks])
-        for f, m in sdm.items()])
-    scattered, out["t_scatter_pickle"] = _timed(
-        lambda: [pickle.dumps(d, protocol=pickle.HIGHEST_PROTOCOL) for d in decisions])
+        for f, m in sdm.items() if hasattr(m, "chunks")])
+    scattered, out["t_scatter_pickle"] = _timed(lambda: [_dumps(d) for d in decisions])
     out["scatter_bytes"] = sum(map(len, scattered))
+    # The old wire form of a decision: ("ok", writes, skip_write, validated, drifts).
+    out["scatter_bytes_old_form"] = sum(len(_dumps(("ok", w, d.skip_write, False, dict(d.drifts))))
+                                        for d, w in zip(decisions, plan.writes))
     del scattered
 
-    # Every rank writes the items the coordinator assigned to it (empty trailing chunks have the
-    # same key on several ranks: like replicated items, one of them writes).
+    # Every rank writes the items the coordinator assigned to it: positions in its held list
+    # (empty trailing chunks have the same key on several ranks: like replicated items, one of
+    # them writes).
     sample_ranks = sorted({0, world // 2, world - 1})
     samples: dict[int, tuple[list, list]] = {}
-    result_payloads = []
+    result_payloads, old_results = [], []
     for r in range(world):
-        held = solosave_rank_specs(structure, world, r)  # staged = held, in this order
-        specs = [held[i] for i in decisions[r][1]]  # the positions of the items it writes
+        held = solosave_rank_specs(structure, world, r)
+        specs = [held[i] for i in plan.writes[r]]
         results = solosave_results(specs, r, workers)
-        result_payloads.append(pickle.dumps((results, None), protocol=pickle.HIGHEST_PROTOCOL))
+        result_payloads.append(_dumps(WriteReport(results, None)))
+        old_results.append(len(_dumps((results, None))))
         if r in sample_ranks:
-            samples[r] = (specs, results)
+            samples[r] = (held, results)
     del decisions
     out["result_bytes_per_rank"] = statistics.median(map(len, result_payloads))
     out["result_bytes_gathered"] = sum(map(len, result_payloads))
-    gathered2, out["t_unpickle_results"] = _timed(lambda: [pickle.loads(b) for b in result_payloads])
+    out["result_bytes_per_rank_old_form"] = statistics.median(old_results)
+    out["result_bytes_gathered_old_form"] = sum(old_results)
+    reports, out["t_unpickle_results"] = _timed(lambda: [pickle.loads(b) for b in result_payloads])
     del result_payloads
-    ckpt = os.path.join(directory, f"solosave_w{world}")
-    os.makedirs(ckpt, exist_ok=True)
-    # The create save (create mode, no file to persist): the coordinator also reads the
-    # published bytes back as the prepared metadata it shares, and keeps their template.
-    job = SimpleNamespace(directory=ckpt, create_prepared=True, mode=Mode.COLLECTIVE, prepared_path=None)
-    fin, out["t_finish_publish"] = _timed(lambda: engine._finish_collective(job, gathered2, defaultdict(float)))
-    if fin[0]:
-        raise RuntimeError(f"solosave finish failed at W={world}: {fin[0]}")
-    made = engine._made_template
-    del gathered2, engine, sdm, fin
+    # The create save (make_prepared, no prepared file): ``finish`` checks the results cover the
+    # plan, builds the Metadata and its template, publishes ``.metadata`` (fsync) and returns the
+    # notice that carries the metadata, now prepared, to every rank.
+    notice, out["t_finish_publish"] = _timed(
+        lambda: finish(engine, coord_job, plan, reports, defaultdict(float)))
+    if notice.failures or not notice.published or notice.prepared is None:
+        raise RuntimeError(f"solosave finish failed at W={world}: {notice.failures}")
+    made = engine.made_template
+    if made is None:
+        raise RuntimeError(f"the create save kept no template at W={world}")
+    # The broadcast of that notice: pickled once by the coordinator, unpickled by every rank.
+    bcast, out["t_broadcast_pickle"] = _timed(lambda: _dumps(notice))
+    out["broadcast_bytes"] = len(bcast)
+    del reports, plan, sdm, notice
+    received, out["t_broadcast_unpickle"] = _timed(lambda: pickle.loads(bcast))
+    del bcast
+    engine.close()
+    del engine
     gc.collect()
     out["coordinator_total_s"] = (out["t_unpickle_plans"] + out["t_global_plan"] + out["t_scatter_pickle"]
-                                  + out["t_unpickle_results"] + out["t_finish_publish"])
+                                  + out["t_unpickle_results"] + out["t_finish_publish"]
+                                  + out["t_broadcast_pickle"])
     md_path = os.path.join(ckpt, ".metadata")
     data = open(md_path, "rb").read()  # noqa: SIM115 - read once
     out["metadata_bytes"] = len(data)
 
     # Loading: every loading rank unpickles the whole .metadata.
-    md, out["t_load_unpickle"] = _timed(lambda: pickle.loads(data))
+    _, out["t_load_unpickle"] = _timed(lambda: pickle.loads(data))
     _, out["t_load_safe_unpickle"] = _timed(lambda: safe_loads(data, what=md_path))
+    del data
 
-    # Reuse: once per prepared metadata (every rank indexes it; the coordinator also serializes
-    # the template), then per save.
-    pm, out["t_prepared_index_once"] = _timed(lambda: PreparedMetadata.from_metadata(md, world, workers))
+    # Reuse: once per prepared metadata every rank indexes it (SaveSession.absorb wraps the
+    # broadcast metadata; the chunk sizes are indexed at the first reuse plan), the coordinator
+    # serializes the template (or adopts the create save's); then per save.
+    md = received.prepared
+    pm, t_index = _timed(lambda: PreparedMetadata.from_metadata(md, world, workers))
+    _, t_sizes = _timed(lambda: pm.chunk_sizes)
+    out["t_prepared_index_once"] = t_index + t_sizes
+    out["t_prepared_chunk_sizes_once"] = t_sizes
     tpl, out["t_template_once"] = _timed(lambda: MetadataTemplate(md))
     # The first reuse save after the create save in the same job: the coordinator's engine
-    # adopts the template it built while publishing (Engine._prepared_for).
-    _, out["t_template_after_create"] = _timed(lambda: (pm.adopt_template(*made), pm.template))
-    if pm.template is not made[1]:
+    # adopts the template it built while publishing (Engine.prepared_for).
+    adopted, out["t_template_after_create"] = _timed(lambda: (pm.adopt_template(*made), pm.template)[0])
+    if not adopted or pm.template is not made[1]:
         raise RuntimeError(f"the create save's template was not adopted at W={world}")
-    del made
-    del md, data
+    del made, md, received
     reuse_dir = os.path.join(directory, f"reuse_w{world}")
     os.makedirs(reuse_dir, exist_ok=True)
     pubs = []
@@ -268,20 +338,21 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str,
     out["t_reuse_reduce_modelled"] = out["reduce_levels"] * REDUCE_MODEL_S
     out["reuse_coordinator_s"] = out["t_reuse_publish"] + out["t_reuse_reduce_modelled"]
 
+    # Per rank per save: the local reuse plan from the prepared metadata (what SaveSession.build
+    # runs) and the layout guard on its write results (what Engine._reuse_write runs).
     per_rank = []
-    for r, (specs, results) in samples.items():
-        plan = LocalPlan(list(specs), {}, {})
-        fake = SimpleNamespace(_prepared=pm, _cache_validated=False, rank=r,
-                               options=SimpleNamespace(assume_constant_structure=False))
-        pm.rank_files(r)
+    for r, (held, results) in samples.items():
+        local = LocalPlan(list(held), {}, {})
+        written = {k for k, *_ in results}
         reps = []
         for _ in range(5):
             t0 = time.perf_counter()
-            mode, _stage, layout, drift = AsyncCheckpointer._choose(fake, plan)
-            drifts = check_layout([p for _, items in layout for p in items], results)
+            reuse, to_stage = pm.plan_reuse(local, r)
+            drifts = check_layout(reuse.placed(), results)
             reps.append(time.perf_counter() - t0)
-            if mode is not Mode.REUSE or drift or drifts:
-                raise RuntimeError(f"reuse planning drifted at W={world} rank {r}: {drift or drifts}")
+            if reuse.drift or drifts or {s.key for s in to_stage} != written:
+                raise RuntimeError(f"reuse planning drifted at W={world} rank {r}: "
+                                   f"{list(reuse.drift)[:3] or drifts[:3] or 'staged items differ'}")
         per_rank.append(statistics.median(reps))
     out["t_reuse_rank_plan_and_guard"] = max(per_rank)
     shutil.rmtree(ckpt, ignore_errors=True)

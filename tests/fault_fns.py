@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import errno
 import os
-import queue
-import shutil
 import signal
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import solosave
-from dist_harness import _child, free_port
+from support import equal as _equal
+from support import fresh as _fresh
+from support import zeros_like as _zeros
 
 #: Bound for a checkpointer's first save, which includes starting the worker processes (slow
 #: on a loaded 2-core machine); fault detection itself is bounded by the tests' ``timeout``.
@@ -57,24 +56,6 @@ def full_at(ws: int, step: int) -> dict:
     for r in range(1, ws):
         out[f"rank{r}"] = sd_at(r, step)[f"rank{r}"]
     return out
-
-
-def _zeros(sd: Any) -> Any:
-    if isinstance(sd, dict):
-        return {k: _zeros(v) for k, v in sd.items()}
-    if isinstance(sd, torch.Tensor):
-        return torch.zeros_like(sd)
-    if isinstance(sd, list):
-        return [_zeros(v) for v in sd]
-    return type(sd)()
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return set(a) == set(b) and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return a == b
 
 
 def check_loads(path: str, ws: int, step: int, extra: dict | None = None) -> None:
@@ -200,54 +181,6 @@ def wait_for_file(path: str, timeout: float = 30.0) -> float:
     return time.monotonic() - t0
 
 
-# -- a runner that tolerates dying ranks -------------------------------------------------------
-
-
-def run_ranks_tolerant(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
-                       env: dict | None = None) -> dict[int, tuple[str, Any]]:
-    """Like ``dist_harness.run_ranks``, but a rank may die or fail: returns
-    ``{rank: ("ok", value) | ("err", traceback) | ("died", exitcode)}``. Kills every process
-    still alive at ``timeout`` (reported as ``("hung", None)``)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, out, env or {}))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    res: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(res) < world_size and time.monotonic() < deadline:
-            try:
-                rank, kind, val = out.get(timeout=0.5)
-                res[rank] = (kind, val)
-                continue
-            except queue.Empty:
-                pass
-            for r, p in enumerate(procs):
-                if r not in res and p.exitcode is not None:
-                    time.sleep(0.5)  # a last message may still be in flight
-                    try:
-                        while True:
-                            rank, kind, val = out.get_nowait()
-                            res[rank] = (kind, val)
-                    except queue.Empty:
-                        pass
-                    if r not in res:
-                        res[r] = ("died", p.exitcode)
-    finally:
-        for p in procs:
-            p.join(timeout=max(deadline - time.monotonic(), 0.1))
-        for r, p in enumerate(procs):
-            if p.is_alive():
-                res.setdefault(r, ("hung", None))
-                p.kill()
-                p.join(5)
-            res.setdefault(r, ("died", p.exitcode))  # exited after the last poll, no message
-    return res
-
-
 # -- process and resource accounting ---------------------------------------------------------
 
 
@@ -290,13 +223,6 @@ def shm_segments() -> list[str]:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def _fresh(root: str) -> None:
-    if dist.get_rank() == 0:
-        shutil.rmtree(root, ignore_errors=True)
-        os.makedirs(root)
-    dist.barrier()
 
 
 def _error(e: BaseException, t0: float) -> dict:

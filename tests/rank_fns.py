@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import time
 import warnings
 
@@ -13,6 +12,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import solosave
+from support import assert_equal
+from support import fresh as _fresh
+from support import zeros_like as zeros_like_sd
 
 
 class FaultyWriter(solosave.FileWriter):
@@ -43,38 +45,6 @@ def model_sd(rank: int, seed: int = 0) -> dict:
         "nested": [torch.arange(6, dtype=torch.int64), "tail"],
         f"rank{rank}_only": torch.full((3,), float(rank)),
     }
-
-
-def zeros_like_sd(sd):
-    if isinstance(sd, dict):
-        return {k: zeros_like_sd(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [zeros_like_sd(v) for v in sd]
-    if isinstance(sd, torch.Tensor):
-        return torch.zeros_like(sd)
-    return type(sd)() if isinstance(sd, (int, float, str)) else None
-
-
-def assert_equal(a, b, path=""):
-    if isinstance(a, dict):
-        assert set(a) == set(b), (path, set(a) ^ set(b))
-        for k in a:
-            assert_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal(x, y, f"{path}.{i}")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    else:
-        assert a == b, (path, a, b)
-
-
-def _fresh(root: str) -> None:
-    if dist.get_rank() == 0:
-        shutil.rmtree(root, ignore_errors=True)
-        os.makedirs(root)
-    dist.barrier()
 
 
 def _dtensor_sd(rank, ws):
@@ -237,7 +207,7 @@ def count_saves(rank, ws, root, mode, saves):
     kw = {}
     if mode == "reuse":
         kw = dict(prepared_metadata=f"{root}/prep.md", create_prepared_metadata=True)
-    elif mode == "cache":
+    elif mode == "constant":
         kw = dict(assume_constant_structure=True)
     sd = model_sd(rank)
     log = os.environ["SOLOSAVE_TEST_COLLECTIVE_LOG"]

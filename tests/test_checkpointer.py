@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 import rank_fns
-from dist_harness import run_ranks
+from support import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 HERE = os.path.dirname(__file__)

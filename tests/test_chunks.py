@@ -4,10 +4,10 @@ import time
 
 import pytest
 
+from oracle import build_state_dict_metadata
 from solosave._chunks import validate_chunks
 from solosave._layout import PlanValidationError
 from solosave._protocol import ItemKind, ItemSpec
-from oracle import build_state_dict_metadata
 
 
 def t(fqn, n, offsets=(0,), size=None):

@@ -52,7 +52,7 @@ class Ranks:
             if r in skip_seq_on:
                 s.seq += 1  # this rank's save() "timed out" earlier: it is one save ahead
             if r in abort_on:
-                job = s.abort(path, TypeError("a value only rank %d holds cannot be saved" % r))
+                job = s.abort(path, TypeError(f"a value only rank {r} holds cannot be saved"))
             else:
                 job = s.build(state_of(r), path).job
             out[r] = self.engines[r].run(job)

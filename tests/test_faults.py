@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 import fault_fns as F
 import solosave
-from dist_harness import run_ranks
+from support import run_ranks, run_ranks_tolerant
 
 TIMEOUT = 20.0  # the checkpointer's timeout in these tests (bounds every wait and collective)
 BOUND = TIMEOUT + 5.0  # an error must reach every rank within this
@@ -46,7 +46,7 @@ def _errors(outs: dict, key: str) -> str:
 def test_worker_sigkilled_mid_write(tmp_path, case_log):
     ws, victim = 4, 2
     t0 = time.monotonic()
-    outs = _ok(F.run_ranks_tolerant(F.worker_killed_mid_write, ws, str(tmp_path), victim, TIMEOUT, timeout=140))
+    outs = _ok(run_ranks_tolerant(F.worker_killed_mid_write, ws, str(tmp_path), victim, TIMEOUT, timeout=140))
     for r, o in outs.items():
         e = o["c2"]
         assert e["is_checkpoint_error"], (r, e)
@@ -72,7 +72,7 @@ def test_worker_sigkilled_mid_write(tmp_path, case_log):
 @pytest.mark.parametrize("action, reuse, ws", [("eio", True, 4), ("enospc", False, 2)])
 def test_write_error_on_one_rank(tmp_path, case_log, action, reuse, ws):
     t0 = time.monotonic()
-    outs = _ok(F.run_ranks_tolerant(F.write_error_once, ws, str(tmp_path), action, reuse, TIMEOUT, timeout=140))
+    outs = _ok(run_ranks_tolerant(F.write_error_once, ws, str(tmp_path), action, reuse, TIMEOUT, timeout=140))
     needle = "Errno 5" if action == "eio" else "No space left"
     for o in outs.values():
         e = o["c1"]
@@ -95,7 +95,7 @@ def test_write_error_on_one_rank(tmp_path, case_log, action, reuse, ws):
 @pytest.mark.parametrize("what", ["metadata", "prepared"])
 def test_coordinator_killed_before_rename(tmp_path, case_log, what):
     t0 = time.monotonic()
-    outs = _ok(F.run_ranks_tolerant(F.coordinator_killed_at_publish, 2, str(tmp_path), what, TIMEOUT, timeout=140))
+    outs = _ok(run_ranks_tolerant(F.coordinator_killed_at_publish, 2, str(tmp_path), what, TIMEOUT, timeout=140))
     o0, o1 = outs[0], outs[1]
     assert o0["tmp_exists_at_kill"]
     assert o0["c1"]["type"] == "WorkerDiedError"
@@ -191,7 +191,7 @@ def test_atomic_write_killed_in_its_window(tmp_path, case_log, point, existing):
 @pytest.mark.parametrize("when, ws, victim", [("between", 4, 3), ("all_reduce", 2, 0)])
 def test_rank_process_dies(tmp_path, case_log, when, ws, victim):
     t0 = time.monotonic()
-    res = F.run_ranks_tolerant(F.rank_dies, ws, str(tmp_path), victim, when, TIMEOUT, timeout=140)
+    res = run_ranks_tolerant(F.rank_dies, ws, str(tmp_path), victim, when, TIMEOUT, timeout=140)
     assert res[victim] == ("died", -signal.SIGKILL), res[victim]
     survivors = {r: v[1] for r, v in res.items() if r != victim}
     assert all(res[r][0] == "ok" for r in survivors), res

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 import fault_fns as F
 import solosave
-from dist_harness import run_ranks
+from support import run_ranks
 
 TIMEOUT = 20.0
 

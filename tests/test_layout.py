@@ -3,9 +3,9 @@ guard of reuse saves."""
 
 import pytest
 
-from solosave._layout import bucket_items, build_metadata, check_layout, finish_metadata, PlanValidationError
-from solosave._protocol import ItemKind, ItemSpec, PlacedItem
 from oracle import build_state_dict_metadata
+from solosave._layout import PlanValidationError, bucket_items, build_metadata, check_layout, finish_metadata
+from solosave._protocol import ItemKind, ItemSpec, PlacedItem
 
 
 def t(fqn, n, offsets=(0,), size=None):

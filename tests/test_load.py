@@ -2,8 +2,8 @@
 
 import pytest
 
-from dist_harness import run_ranks
 import rank_fns
+from support import run_ranks
 
 
 @pytest.mark.timeout(120)

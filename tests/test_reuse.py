@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 import rank_fns
-from dist_harness import run_ranks
+from support import run_ranks
 from test_checkpointer import _counted
 
 pytestmark = pytest.mark.timeout(300)
@@ -77,16 +77,15 @@ def test_reuse_counts_one_all_reduce_in_every_process(tmp_path, monkeypatch):
     assert set(observed["trainer"]) <= {"broadcast_object_list", "barrier"}
 
 
-def test_cache_mode_stops_planning_gather(tmp_path):
+def test_constant_structure_reuses_in_memory_after_the_first_save(tmp_path):
     saves = 4
-    per_rank = run_ranks(rank_fns.count_saves, 2, str(tmp_path), "cache", saves,
+    per_rank = run_ranks(rank_fns.count_saves, 2, str(tmp_path), "constant", saves,
                          env={"SOLOSAVE_TEST_COLLECTIVE_LOG": str(tmp_path)})
     for rank_saves in per_rank:
-        modes = [s["mode"] for s in rank_saves]
-        assert modes == ["collective", "collective", "cached", "cached"]
-        for s in rank_saves[2:]:
-            assert set(s["reported"]) == {"gather_object", "broadcast_object_list"}
-            assert s["reported"]["gather_object"]["count"] == 1
+        assert [s["mode"] for s in rank_saves] == ["create"] + ["reuse"] * (saves - 1)
+        for s in rank_saves[1:]:
+            assert s["reported"] == ONE_ALL_REDUCE
+    assert not (tmp_path / "prepared.metadata").exists()  # in memory only
 
 
 def test_reuse_write_failure_every_rank_learns_why(tmp_path):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import fault_fns as F
-from dist_harness import run_ranks
+from support import run_ranks
 
 SAVES = int(os.environ.get("SOLOSAVE_SOAK_SAVES", "200"))
 

@@ -56,7 +56,8 @@ def run_collective(engine: Engine, job: SaveJob, timings: dict[str, float],
     requests = ch.gather_object(plan_request(job, prewritten, drifts))
     decisions, plan = decide(job, requests, ch.coordinator) if ch.is_coordinator else (None, None)
     mine: PlanDecision = ch.scatter_object(decisions)
-    kind = SaveKind.FALLBACK if job.mode is Mode.REUSE else (SaveKind.CREATE if job.make_prepared else SaveKind.COLLECTIVE)
+    kind = SaveKind.FALLBACK if job.mode is Mode.REUSE else (
+        SaveKind.CREATE if job.make_prepared else SaveKind.COLLECTIVE)
     if mine.verdict is Verdict.OUT_OF_STEP:
         raise OutOfStep(mine.message)
     if mine.verdict is Verdict.ERROR:
@@ -112,7 +113,9 @@ def decide(job: SaveJob, requests: list[PlanRequest], coordinator: int) -> tuple
     except Exception as e:  # noqa: BLE001 - every rank gets the coordinator's error
         why = str(e) if isinstance(e, ValueError) else describe(e)
         return [PlanDecision(Verdict.ERROR, failures={coordinator: f"global planning failed: {why}"})] * world, None
-    return [PlanDecision(Verdict.OK, plan.writes[r], plan.skip_write, plan.drifts) for r in range(world)], plan
+    every = [len(req.specs.fqns) for req in requests]
+    writes = [None if w == list(range(every[r])) else w for r, w in enumerate(plan.writes)]
+    return [PlanDecision(Verdict.OK, writes[r], plan.skip_write, plan.drifts) for r in range(world)], plan
 
 
 def write_assigned(engine: Engine, job: SaveJob, mine: PlanDecision, prewritten: list[WriteResult] | None,
@@ -122,7 +125,8 @@ def write_assigned(engine: Engine, job: SaveJob, mine: PlanDecision, prewritten:
         return WriteReport(prewritten, None)
     try:
         staged = {it.spec.key: it for it in job.staged.items}
-        specs = [staged[job.held[i].key].spec for i in mine.writes]
+        positions = range(len(job.held)) if mine.writes is None else mine.writes
+        specs = [staged[job.held[i].key].spec for i in positions]
         files, pad = [], {}
         for n, bucket in enumerate(bucket_items(specs, engine.workers)):
             files.append((file_name(engine.rank, n), [staged[s.key] for s in bucket]))

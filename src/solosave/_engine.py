@@ -169,7 +169,8 @@ class Engine:
             raise RuntimeError("internal: the worker has no prepared metadata for this token")
         return self._prepared[1]
 
-    def _reuse_write(self, job: SaveJob, timings: dict[str, float]) -> tuple[Status, list[str], list | None, str | None]:
+    def _reuse_write(self, job: SaveJob, timings: dict[str, float]
+                     ) -> tuple[Status, list[str], list | None, str | None]:
         """Write the prepared layout and check it: ``(status, drifts, results, error)``."""
         if job.abort is not None:
             return Status.FAILED, [], None, job.abort

@@ -39,7 +39,8 @@ from torch.distributed.checkpoint.metadata import (
 from ._chunks import VECTOR_MIN, sweep_chunks, tiles_along_one_dim, validate_chunks
 from ._format import ItemKey, as_key, dtype_from_name
 from ._layout import SDM, PlanValidationError, gc_paused, shared_size
-from ._protocol import ItemKind, PlanRequest, WriteResult, unpack_specs
+from ._protocol import ItemKind, PlanRequest, unpack_specs
+
 
 @dataclass(frozen=True)
 class GlobalPlan:

@@ -150,7 +150,9 @@ class PreparedMetadata:
         if m is None:
             return f"{spec.fqn}: not in the prepared metadata (a new item)"
         if spec.kind is ItemKind.BYTES:
-            return None if isinstance(m, BytesStorageMetadata) else f"{spec.fqn}: now a non-tensor, prepared as a tensor"
+            if isinstance(m, BytesStorageMetadata):
+                return None
+            return f"{spec.fqn}: now a non-tensor, prepared as a tensor"
         if not isinstance(m, TensorStorageMetadata):
             return f"{spec.fqn}: now a tensor, prepared as a non-tensor"
         if tuple(m.size) != spec.global_size or dtype_name(m.properties.dtype) != spec.dtype:

@@ -289,11 +289,23 @@ class PlanDecision(NamedTuple):
     """The coordinator's answer to one rank."""
 
     verdict: Verdict
-    writes: list[int] = []         #: positions, in the rank's held list, of the items it writes
+    writes: list[int] | None = None  #: positions, in its held list, of the items it writes; None: all
     skip_write: bool = False       #: reuse fallback: the pre-written files already fit the plan
     drifts: dict = {}              #: every rank's drifts (reuse fallback), for the warning
     failures: dict = {}            #: ERROR: {rank: what went wrong}
     message: str | None = None     #: OUT_OF_STEP: what happened
+
+    def __reduce__(self) -> tuple:
+        # The scatter sends one decision per rank: pickle it as a short tuple (the verdict's
+        # value, then the fields up to the last non-default one), not as class + enum objects.
+        fields = [self.verdict.value, self.writes, self.skip_write, self.drifts, self.failures, self.message]
+        while len(fields) > 2 and not fields[-1]:
+            fields.pop()
+        return (_pd, tuple(fields))
+
+
+def _pd(verdict: str, *fields: Any) -> PlanDecision:
+    return PlanDecision(Verdict(verdict), *fields)
 
 
 class WriteReport(NamedTuple):
@@ -301,6 +313,13 @@ class WriteReport(NamedTuple):
 
     results: list[WriteResult] | None
     error: str | None
+
+    def __reduce__(self) -> tuple:
+        return (_wr, (self.results, self.error))
+
+
+def _wr(results: list[WriteResult] | None, error: str | None) -> WriteReport:
+    return WriteReport(results, error)
 
 
 class FinishNotice(NamedTuple):

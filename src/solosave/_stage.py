@@ -52,7 +52,7 @@ ALIGN = 64
 SEGMENT_PREFIX = "solosave_"
 #: Environment variable: a directory for file-backed staging buffers (instead of /dev/shm).
 STAGING_DIR_ENV = "SOLOSAVE_STAGING_DIR"
-_SHM_DIR = "/dev/shm"
+_SHM_DIR = "/dev/shm"  # noqa: S108 - where Linux keeps POSIX shared memory, not a temp file
 
 
 def _align(n: int) -> int:

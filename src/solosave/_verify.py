@@ -16,8 +16,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 

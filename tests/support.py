@@ -1,0 +1,165 @@
+"""Shared test support: run a function on N local ranks (spawned processes, gloo on 127.0.0.1,
+bounded in time) and the state-dict helpers every rank function uses.
+
+* ``run_ranks(fn, world_size, *args, timeout=...)`` returns ``[fn(rank, world_size, *args)]`` in
+  rank order, or raises ``AssertionError`` with every failing rank's traceback;
+* ``run_ranks_tolerant(...)`` lets ranks die or fail: ``{rank: ("ok", value) | ("err",
+  traceback) | ("died", exitcode) | ("hung", None)}``.
+
+Both kill every process still alive at ``timeout``: no orphan survives a test.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, out: Any, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"})
+    import torch.distributed as dist
+
+    code = 0
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        out.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out.put((rank, "err", traceback.format_exc()))
+        code = 1
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001,S110
+            pass
+    import gc
+
+    gc.collect()
+    out.close()
+    out.join_thread()  # flush the result before os._exit kills the queue's feeder thread
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # end deliberately: no late gloo teardown at interpreter exit
+
+
+def run_ranks_tolerant(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
+                       env: dict | None = None) -> dict[int, tuple[str, Any]]:
+    """Run ``fn`` on ``world_size`` ranks; a rank may die or fail (see the module docstring)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, out, env or {}))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    res: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(res) < world_size and time.monotonic() < deadline:
+            try:
+                rank, kind, val = out.get(timeout=0.5)
+                res[rank] = (kind, val)
+                continue
+            except queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in res and p.exitcode is not None:
+                    _drain(out, res, grace=0.5)  # a last message may still be in flight
+                    if r not in res:
+                        res[r] = ("died", p.exitcode)
+    finally:
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.1))
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                res.setdefault(r, ("hung", None))
+                p.kill()
+                p.join(5)
+            res.setdefault(r, ("died", p.exitcode))  # exited after the last poll, no message
+    return res
+
+
+def _drain(out: Any, res: dict, grace: float) -> None:
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            rank, kind, val = out.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            return
+        res[rank] = (kind, val)
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
+              env: dict | None = None) -> list[Any]:
+    """Run ``fn`` on ``world_size`` ranks; every rank must return normally."""
+    res = run_ranks_tolerant(fn, world_size, *args, timeout=timeout, env=env)
+    bad = {r: v for r, v in res.items() if v[0] != "ok"}
+    if bad:
+        raise AssertionError("\n".join(f"--- rank {r} ({kind}) ---\n{val}" for r, (kind, val) in sorted(bad.items())))
+    return [res[r][1] for r in range(world_size)]
+
+
+# -- state dicts -------------------------------------------------------------------------------
+
+def zeros_like(sd: Any) -> Any:
+    """A state dict of the same structure with zeros (tensors) and empty values (the rest)."""
+    if isinstance(sd, dict):
+        return {k: zeros_like(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [zeros_like(v) for v in sd]
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    return type(sd)() if isinstance(sd, (int, float, str)) else None
+
+
+def assert_equal(a: Any, b: Any, path: str = "") -> None:
+    """Exactly the same structure and values (tensors bit for bit); names the first difference."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, set(a) ^ set(b) if isinstance(b, dict) else b)
+        for k in a:
+            assert_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal(x, y, f"{path}.{i}")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    else:
+        assert a == b, (path, a, b)
+
+
+def equal(a: Any, b: Any) -> bool:
+    try:
+        assert_equal(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
+def fresh(root: str) -> None:
+    """Rank 0 empties ``root``; every rank waits for it (a barrier)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+    dist.barrier()
