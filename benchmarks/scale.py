@@ -244,11 +244,11 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
 
     engine = coordinator_engine(world, workers)
     requests, out["t_unpickle_plans"] = _timed(lambda: [pickle.loads(b) for b in plan_payloads])
-    del plan_payloads
+    plan_payloads = None  # free it (a large object)
     (decisions, plan), out["t_global_plan"] = _timed(lambda: decide(coord_job, requests, 0))
     if decisions[0].verdict is not Verdict.OK:
         raise RuntimeError(f"solosave global plan failed at W={world}: {decisions[0]}")
-    del requests
+    requests = None  # free it (a large object)
     sdm = plan.state_dict_metadata
     _, out["t_validate_chunks_only"] = _timed(lambda: [
         validate_chunks(f, tuple(m.size), [(tuple(c.offsets), tuple(c.sizes)) for c in m.chunks])
@@ -258,7 +258,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     # The old wire form of a decision: ("ok", writes, skip_write, validated, drifts).
     out["scatter_bytes_old_form"] = sum(len(_dumps(("ok", w, d.skip_write, False, dict(d.drifts))))
                                         for d, w in zip(decisions, plan.writes))
-    del scattered
+    scattered = None  # free it (a large object)
 
     # Every rank writes the items the coordinator assigned to it: positions in its held list
     # (empty trailing chunks have the same key on several ranks: like replicated items, one of
@@ -274,13 +274,13 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
         old_results.append(len(_dumps((results, None))))
         if r in sample_ranks:
             samples[r] = (held, results)
-    del decisions
+    decisions = None  # free it (a large object)
     out["result_bytes_per_rank"] = statistics.median(map(len, result_payloads))
     out["result_bytes_gathered"] = sum(map(len, result_payloads))
     out["result_bytes_per_rank_old_form"] = statistics.median(old_results)
     out["result_bytes_gathered_old_form"] = sum(old_results)
     reports, out["t_unpickle_results"] = _timed(lambda: [pickle.loads(b) for b in result_payloads])
-    del result_payloads
+    result_payloads = None  # free it (a large object)
     # The create save (make_prepared, no prepared file): ``finish`` checks the results cover the
     # plan, builds the Metadata and its template, publishes ``.metadata`` (fsync) and returns the
     # notice that carries the metadata, now prepared, to every rank.
@@ -294,11 +294,11 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     # The broadcast of that notice: pickled once by the coordinator, unpickled by every rank.
     bcast, out["t_broadcast_pickle"] = _timed(lambda: _dumps(notice))
     out["broadcast_bytes"] = len(bcast)
-    del reports, plan, sdm, notice
+    reports = plan = sdm = notice = None  # free it (a large object)
     received, out["t_broadcast_unpickle"] = _timed(lambda: pickle.loads(bcast))
-    del bcast
+    bcast = None  # free it (a large object)
     engine.close()
-    del engine
+    engine = None  # free it (a large object)
     gc.collect()
     out["coordinator_total_s"] = (out["t_unpickle_plans"] + out["t_global_plan"] + out["t_scatter_pickle"]
                                   + out["t_unpickle_results"] + out["t_finish_publish"]
@@ -310,7 +310,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     # Loading: every loading rank unpickles the whole .metadata.
     _, out["t_load_unpickle"] = _timed(lambda: pickle.loads(data))
     _, out["t_load_safe_unpickle"] = _timed(lambda: safe_loads(data, what=md_path))
-    del data
+    data = None  # free it (a large object)
 
     # Reuse: once per prepared metadata every rank indexes it (SaveSession.absorb wraps the
     # broadcast metadata; the chunk sizes are indexed at the first reuse plan), the coordinator
@@ -326,7 +326,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     adopted, out["t_template_after_create"] = _timed(lambda: (pm.adopt_template(*made), pm.template)[0])
     if not adopted or pm.template is not made[1]:
         raise RuntimeError(f"the create save's template was not adopted at W={world}")
-    del made, md, received
+    made = md = received = None  # free it (a large object)
     reuse_dir = os.path.join(directory, f"reuse_w{world}")
     os.makedirs(reuse_dir, exist_ok=True)
     pubs = []
@@ -357,7 +357,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     out["t_reuse_rank_plan_and_guard"] = max(per_rank)
     shutil.rmtree(ckpt, ignore_errors=True)
     shutil.rmtree(reuse_dir, ignore_errors=True)
-    del pm, tpl
+    pm = tpl = None  # free it (a large object)
     gc.collect()
     return out
 
@@ -433,7 +433,7 @@ def simulate_dcp(structure: list, world: int, directory: str) -> Json:
     out["result_bytes_gathered"] = sum(map(len, result_payloads))
 
     plans, out["t_unpickle_plans"] = _timed(lambda: [pickle.loads(b) for b in plan_payloads])
-    del plan_payloads
+    plan_payloads = None  # free it (a large object)
     planner = DefaultSavePlanner()
     planner.set_up_planner({}, None, True)
 
@@ -442,17 +442,17 @@ def simulate_dcp(structure: list, world: int, directory: str) -> Json:
         return writer.prepare_global_plan(gp), md
 
     (global_plans, metadata), out["t_global_plan"] = _timed(global_plan)
-    del plans
+    plans = None  # free it (a large object)
     scattered, out["t_scatter_pickle"] = _timed(lambda: [pickle.dumps(p) for p in global_plans])
     out["scatter_bytes"] = sum(map(len, scattered))
-    del scattered, global_plans
+    scattered = global_plans = None  # free it (a large object)
     results, out["t_unpickle_results"] = _timed(lambda: [pickle.loads(b) for b in result_payloads])
-    del result_payloads
+    result_payloads = None  # free it (a large object)
     _, out["t_finish_publish"] = _timed(lambda: writer.finish(metadata, results))
-    del results
+    results = None  # free it (a large object)
     bcast, out["t_broadcast_pickle"] = _timed(lambda: pickle.dumps(metadata))
     out["broadcast_bytes"] = len(bcast)
-    del bcast, metadata
+    bcast = metadata = None  # free it (a large object)
     gc.collect()
     out["coordinator_total_s"] = (out["t_unpickle_plans"] + out["t_global_plan"] + out["t_scatter_pickle"]
                                   + out["t_unpickle_results"] + out["t_finish_publish"]
