@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 TRAIN_DIR ?= runs/train
 
-.PHONY: train test test-slow bench clean
+.PHONY: train test test-slow lint bench clean
 
 $(BIN)/solosave: pyproject.toml requirements-dev.txt
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,9 @@ train: $(BIN)/solosave
 
 test: $(BIN)/solosave
 	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(BIN)/solosave
+	$(BIN)/ruff check src tests benchmarks tools
 
 test-slow: $(BIN)/solosave
 	$(BIN)/python -m pytest -q -m slow

@@ -360,8 +360,10 @@ def rank_dies(rank: int, ws: int, root: str, victim: int, when: str, timeout: fl
         os.kill(os.getpid(), signal.SIGKILL)
     set_step(sd, rank, 1)
     h = ck.save(sd, f"{root}/c1")
-    if rank == victim:
-        time.sleep(1.0)  # the others are in the all_reduce by now; this rank's write is slow
+    _touch(f"{root}/saving.{rank}")
+    if rank == victim:  # once every other rank handed its save to its worker: die mid-save
+        for r in range(dist.get_world_size()):
+            wait_for_file(f"{root}/saving.{r}")
         os.kill(os.getpid(), signal.SIGKILL)
     out = {"c1": _wait(h, timeout)}
     t1 = time.monotonic()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import time
 import warnings
 
 import torch
@@ -218,7 +217,6 @@ def count_saves(rank, ws, root, mode, saves):
             sd["model"]["w"].add_(1)
             h = ck.save(sd, f"{root}/s{i}")
             r = h.wait(120)
-            time.sleep(0.05)
             per_save.append({"mode": r.mode, "reported": r.collectives("all"),
                              "calling": r.collectives("calling_thread")})
             dist.barrier()  # (the test's own barrier; logged by the main process, excluded below)

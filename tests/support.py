@@ -155,6 +155,17 @@ def equal(a: Any, b: Any) -> bool:
     return True
 
 
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` passes; returns its last value (a
+    deadline instead of a sleep: fast when things are fast, bounded when they are not)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return predicate()
+        time.sleep(interval)
+    return True
+
+
 def fresh(root: str) -> None:
     """Rank 0 empties ``root``; every rank waits for it (a barrier)."""
     import torch.distributed as dist

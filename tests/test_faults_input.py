@@ -68,7 +68,8 @@ def test_unsupported_values_and_uncreatable_destination(tmp_path, case_log):
         for name, needle in needles.items():
             e = o[name]
             assert e is not None and e["type"] == "TypeError" and needle in e["msg"], (name, e)
-            assert e["after_s"] < 2.0
+            # raised by save() itself (TypeError, not a CheckpointError from wait()): before any
+            # collective and before the job reached the worker
             assert o[f"{name}/files"] in (None, []), o[f"{name}/files"]  # nothing written
         b = o["below_file"]
         assert b["type"] == "ValueError" and "cannot create checkpoint directory" in b["msg"], b

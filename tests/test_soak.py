@@ -12,7 +12,7 @@ import time
 import pytest
 
 import fault_fns as F
-from support import run_ranks
+from support import run_ranks, wait_until
 
 SAVES = int(os.environ.get("SOLOSAVE_SOAK_SAVES", "200"))
 
@@ -33,8 +33,7 @@ def test_soak_reuse_saves(tmp_path, case_log):
         assert e["fds"] == s["fds"], (s, e)
         assert o["fds_after_close"] <= o["fds_before"], o
         assert o["children_after"] == o["children_before"] and not o["worker_alive_after_close"], o
-    time.sleep(1.0)
-    assert F.shm_segments() == shm_before
+    assert wait_until(lambda: F.shm_segments() == shm_before, 5.0), (F.shm_segments(), shm_before)
     t1 = time.monotonic()
     for i in range(SAVES + 1):
         F.check_loads(str(tmp_path / f"s{i:04d}"), ws, i)
