@@ -18,6 +18,7 @@ import errno
 import io
 import json
 import os
+import pickle
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,12 @@ def padded_payload(payload: bytes, length: int) -> bytes | None:
     and some padding sizes defeat that search; so padding is limited to the payload's own size
     and every padded record is checked by loading it once. ``None``: it cannot be padded (the
     record keeps its natural length, which a reuse save reports as a layout drift).
+
+    The check reads the archive and its pickle without resolving the classes it names
+    (:class:`_Stub` stands in for them): the worker process does not have the trainer's
+    ``__main__``, and resolving a class defined there failed the check on every save, so such
+    a value never kept its padded slot and every save whose payload size changed took the
+    collective path (issue 12, item 9). Nothing of the user's code runs in the worker here.
     """
     extra = length - len(payload)
     if extra == 0:
@@ -74,10 +81,45 @@ def padded_payload(payload: bytes, length: int) -> bytes | None:
         return None
     data = payload + b"\0" * extra
     try:
-        torch.load(io.BytesIO(data), weights_only=False)
+        torch.load(io.BytesIO(data), weights_only=False, pickle_module=_structure_only)
     except Exception:  # noqa: BLE001 - any failure means: do not pad
         return None
     return data
+
+
+class _Stub:
+    """Stands in for every class a padded payload names (see :func:`padded_payload`)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+    @classmethod
+    def _make(cls, *args: object, **kwargs: object) -> _Stub:
+        return cls()
+
+
+class _StubUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> object:
+        if module.startswith(("torch", "collections", "builtins", "copyreg", "numpy")):
+            return super().find_class(module, name)
+        return _Stub._make if name and name[0].islower() else _Stub
+
+
+class _StructureOnly:
+    """A ``pickle_module`` for ``torch.load`` that resolves no user class."""
+
+    Unpickler = _StubUnpickler
+    __name__ = "solosave-structure-only"
+
+    @staticmethod
+    def load(f: object, **kwargs: object) -> object:
+        return _StubUnpickler(f, **kwargs).load()  # type: ignore[arg-type]
+
+
+_structure_only = _StructureOnly()
 
 
 @dataclass(frozen=True, slots=True)
