@@ -71,7 +71,7 @@ class SaveHandle:
             self._error = error_of(outcome, self.path)
             return
         self._result = SaveResult(
-            path=self.path, rank=self._owner.rank, mode=outcome.kind, bytes_written=outcome.bytes_written,
+            path=self.path, rank=self._owner.rank, mode=outcome.kind.value, bytes_written=outcome.bytes_written,
             timings=PhaseTimings(t_plan, t_stage, tm.get("write", 0.0), tm.get("coordinate", 0.0),
                                  tm.get("publish", 0.0), t_block, max(outcome.finished_at - t_start, 0.0)),
             collectives_calling_thread=self._calling, collectives_background=outcome.collectives,

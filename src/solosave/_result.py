@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ._coordinate import CollectiveCall
 from ._errors import CheckpointError, LayoutDriftError
 from ._format import METADATA_FILE
-from ._protocol import ErrorKind, JobOutcome, SaveKind
+from ._protocol import ErrorKind, JobOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +33,8 @@ class SaveResult:
 
     path: str
     rank: int
-    #: "collective", "create", "reuse" or "reuse+fallback" (a ``str`` enum).
-    mode: SaveKind
+    #: "collective", "create", "reuse" or "reuse+fallback" (the values of ``SaveKind``).
+    mode: str
     bytes_written: int
     timings: PhaseTimings
     collectives_calling_thread: tuple[CollectiveCall, ...]
