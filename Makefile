@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 TRAIN_DIR ?= runs/train
 
-.PHONY: train test test-slow lint bench clean
+.PHONY: train test test-slow lint bench device-check clean
 
 $(BIN)/solosave: pyproject.toml requirements-dev.txt
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ lint: $(BIN)/solosave
 
 test-slow: $(BIN)/solosave
 	$(BIN)/python -m pytest -q -m slow
+
+# On a machine with a GPU and a CUDA build of torch (not run yet: see tools/device_check.py).
+device-check:
+	timeout 300 $(PY) tools/device_check.py
 
 bench: $(BIN)/solosave
 	$(BIN)/python -m benchmarks --plots docs/img

@@ -214,3 +214,23 @@ def test_a_replicated_item_lost_by_its_writer_heals_on_the_next_save(ranks):
     healed = rk.save(lambda r: state(r, lose=writer), "c2")
     assert all(o.ok and o.published for o in healed), [o.failures for o in healed]
     assert kinds(rk.save(lambda r: state(r, lose=writer), "c3")) == [SaveKind.REUSE] * 2
+
+
+def test_a_directory_name_that_is_not_utf8_saves_and_loads(ranks, tmp_path, case_log):
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    name = os.fsdecode(b"ckpt-\xff\xfe")  # legal on Linux; Python holds it with surrogate escapes
+    rk = ranks(2, assume_constant_structure=True)
+    for i in range(2):
+        outs = rk.save(state, f"{name}{i}")
+        assert all(o.ok and o.published for o in outs), [o.failures for o in outs]
+    assert kinds(outs) == [SaveKind.REUSE] * 2
+    target = {"w": torch.zeros(64), "mine1": torch.zeros(3)}
+    dcp.load(target, checkpoint_id=str(tmp_path / f"{name}1"), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(64, dtype=torch.float32)) and target["mine1"].tolist() == [1.0] * 3
+    ok = rk.save(state, "plain")  # and the checkpointer goes on
+    assert all(o.ok for o in ok)
+    case_log("checkpoint directory name with bytes that are not UTF-8 (b'ckpt-\\xff\\xfe')",
+             "create and reuse saves publish; stock dcp.load reads it; later saves work")

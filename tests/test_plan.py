@@ -44,6 +44,7 @@ def test_plan_local_kinds_and_hash_ignores_values():
     (torch.ones(2).to_sparse(), "to_dense"),
     (torch.empty(2, device="meta"), "meta device"),
     (torch.nn.Linear(2, 2), "state_dict()"),
+    (torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8), "dequantize()"),
 ])
 def test_unsupported_values_are_named(bad, needle):
     with pytest.raises(TypeError, match="x.y") as e:
@@ -59,3 +60,21 @@ def test_unpicklable_value_error_names_key():
 def test_state_dict_must_be_a_mapping():
     with pytest.raises(TypeError, match="must be a dict"):
         plan_local([torch.ones(1)])
+
+
+def test_top_level_stateful_objects_are_saved_as_their_state_dict():
+    class Loader:  # a dataloader-like Stateful object
+        def __init__(self):
+            self.pos = 7
+
+        def state_dict(self):
+            return {"pos": self.pos}
+
+        def load_state_dict(self, sd):
+            self.pos = sd["pos"]
+
+    model = torch.nn.Linear(2, 3)
+    plan = plan_local({"model": model, "loader": Loader(), "step": 1})
+    assert sorted(s.fqn for s in plan.specs) == ["loader.pos", "model.bias", "model.weight", "step"]
+    assert torch.equal(plan.values["model.weight"], model.weight.detach())
+    assert plan.planner_data["loader.pos"] == ("loader", "pos")

@@ -21,7 +21,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "reliability.md")
 START, END = "<!-- reliability-table:start -->", "<!-- reliability-table:end -->"
-SUITES = ["tests/test_faults.py", "tests/test_faults_input.py"]
+SUITES = ["tests/test_faults.py", "tests/test_faults_input.py", "tests/test_faults_lifecycle.py",
+          "tests/test_load.py", "tests/test_write.py", "tests/test_engine.py"]
 
 
 def run(paths: list[str], marker: str) -> tuple[dict, str, float]:

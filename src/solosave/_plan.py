@@ -176,6 +176,9 @@ def make_spec(fqn: str, value: Any) -> tuple[ItemSpec, Any]:
                 f"state_dict[{fqn!r}] is a {type(value).__name__}, a tensor subclass solosave "
                 "cannot save; convert it to a plain tensor or a DTensor"
             )
+        if value.is_quantized:
+            raise TypeError(f"state_dict[{fqn!r}] is a quantized tensor ({value.dtype}), which solosave "
+                            "cannot stage; save value.dequantize() (and its scale/zero point) instead")
         if value.is_sparse or value.layout != torch.strided:
             raise TypeError(f"state_dict[{fqn!r}] has layout {value.layout}; only strided "
                             "(dense) tensors are supported: call .to_dense() first")

@@ -1,0 +1,121 @@
+"""The GPU device check (``make device-check``): one script, a few minutes on one GPU, no network.
+
+What it runs (every part prints one line; the exit status is 1 if any check failed):
+
+1. W=1 with an NCCL training group: create then reuse saves of CUDA tensors that are changed in
+   place right after ``save()`` returns; the checkpoints hold the values as of the call and load
+   bit-exactly onto CUDA and onto CPU tensors.
+2. W=2 ranks sharing the one GPU with a gloo training group (NCCL refuses two ranks on a device):
+   the same, with the persistent workers.
+3. No worker process has a CUDA context (``nvidia-smi --query-compute-apps=pid``).
+4. A table: ``save()`` stall against a plain device-to-host copy of the same bytes.
+
+Not covered yet (not implemented in this version): the overlapped staging mode of the GPU issue,
+and the demo model on CUDA. Status: written without access to a GPU; never run. Run it with
+``.venv/bin/python tools/device_check.py`` on a machine with CUDA torch and one GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+MIB = 1 << 20
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _state(n_tensors: int = 16, numel: int = MIB) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return {f"w{i}": torch.randn(numel, device="cuda", generator=g) for i in range(n_tensors)}
+
+
+def _rank(rank: int, world: int, port: int, backend: str, root: str, out: dict) -> None:
+    import solosave
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.cuda.set_device(0)
+    sd = _state()
+    expect = []
+    stalls = []
+    with solosave.AsyncCheckpointer(prepared_metadata=f"{root}/prep.md", create_prepared_metadata=True,
+                                    timeout=300) as ck:
+        for i in range(4):
+            for t in sd.values():
+                t.add_(1.0)
+            expect.append({k: v.cpu() for k, v in sd.items()})
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            h = ck.save(sd, f"{root}/c{i}")
+            stalls.append(time.perf_counter() - t0)
+            for t in sd.values():  # the next optimizer step, before the copies may have finished
+                t.mul_(-3.0)
+            r = h.wait(300)
+            out[f"mode{i}/{rank}"] = r.mode
+            out["workers"] = out.get("workers", []) + [ck.worker_pid]
+    dist.barrier()
+    for i, want in enumerate(expect):
+        for device in ("cuda", "cpu"):
+            tgt = {k: torch.zeros_like(v, device=device) for k, v in want.items()}
+            solosave.load(tgt, f"{root}/c{i}")
+            ok = all(torch.equal(tgt[k].cpu(), want[k]) for k in want)
+            out[f"exact{i}/{device}/{rank}"] = ok
+    t0 = time.perf_counter()
+    host = [v.to("cpu", non_blocking=False) for v in sd.values()]
+    torch.cuda.synchronize()
+    out[f"d2h/{rank}"] = time.perf_counter() - t0
+    out[f"stall/{rank}"] = sorted(stalls[1:])[len(stalls[1:]) // 2]
+    del host
+    dist.destroy_process_group()
+
+
+def _run(world: int, backend: str) -> dict:
+    root = tempfile.mkdtemp(prefix=f"solosave-device-{backend}-")
+    manager = mp.Manager()
+    out = manager.dict()
+    port = _port()
+    mp.start_processes(_rank, args=(world, port, backend, root, out), nprocs=world, start_method="spawn")
+    return dict(out)
+
+
+def _cuda_pids() -> set[int]:
+    r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                       capture_output=True, text=True, timeout=30)
+    return {int(x) for x in r.stdout.split() if x.strip().isdigit()}
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("device check: no CUDA device; nothing run")
+        return 2
+    failed = 0
+    for world, backend in ((1, "nccl"), (2, "gloo")):
+        res = _run(world, backend)
+        exact = all(v for k, v in res.items() if k.startswith("exact"))
+        modes = [res[f"mode{i}/0"] for i in range(4)]
+        cuda_workers = set(res.get("workers", [])) & _cuda_pids()
+        ok = exact and modes == ["create", "reuse", "reuse", "reuse"] and not cuda_workers
+        failed += not ok
+        stall = max(v for k, v in res.items() if k.startswith("stall/"))
+        d2h = max(v for k, v in res.items() if k.startswith("d2h/"))
+        print(f"W={world} {backend}: {'ok' if ok else 'FAILED'}  modes={modes}  bit-exact={exact}  "
+              f"workers with a CUDA context: {sorted(cuda_workers) or 'none'}  "
+              f"stall {stall * 1e3:.1f} ms vs device-to-host copy {d2h * 1e3:.1f} ms ({stall / d2h:.2f}x)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
