@@ -154,3 +154,43 @@ def test_user_script_without_main_guard(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("['create', 'reuse']") == 2
     assert "resource_tracker" not in r.stderr  # the worker neither owns nor leaks the segments
+
+
+def test_resume_at_another_world_size(run_a, tmp_path):
+    d, _ = run_a
+    r = train("--nproc", 1, "--steps", 10, "--load", d / "ckpt", "--save", tmp_path / "one",
+              "--save-interval", 5, "--json-log", tmp_path / "one.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and "checkpoint of 2 ranks on 1" in r.stdout
+    assert [s["step"] for s in records(tmp_path / "one.jsonl", "step")] == [9, 10]
+    r = train("--nproc", 3, "--steps", 11, "--load", tmp_path / "one", "--save", tmp_path / "three",
+              "--json-log", tmp_path / "three.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr  # rank 1 and 2 have no saved RNG: re-seeded
+    assert "checkpoint of 1 ranks on 3" in r.stdout and "re-seeded" in r.stdout
+
+
+def test_exit_signal_handler_saves_and_exits_cleanly(tmp_path):
+    import signal
+    import time
+
+    log = tmp_path / "log.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "solosave", "train", *COMMON, "--steps", "100000",
+                          "--save", str(tmp_path / "ck"), "--save-interval", "100000", "--async-save",
+                          "--use-persistent-ckpt-worker", "--exit-signal-handler", "--json-log", str(log)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len(records(log, "step")) >= 3) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(p.pid, signal.SIGTERM)  # a scheduler's preemption: the whole job
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, out
+    saves = records(log, "save")
+    assert len(saves) == 1 and saves[0]["ok"], out
+    assert "exit signal received: saved step" in out and "verified" in out
+    assert (tmp_path / "ck" / f"iter_{saves[0]['step']:07d}" / ".metadata").exists()

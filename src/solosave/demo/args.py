@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json-log", metavar="FILE", default=None,
                    help="append one JSON line per step and per save (rank 0)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM or SIGINT (any rank): finish the step, save, and exit cleanly "
+                        "(Megatron's flag of the same name)")
     m = p.add_argument_group("model and data")
     m.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     m.add_argument("--d-model", type=int, default=128, help="model width (default 128)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ class RankState:
     rank: int
     world: int
     resumed_from: str | None = None  # the checkpoint directory resume() loaded, if any
+    signalled: bool = False  # --exit-signal-handler: SIGTERM/SIGINT arrived
 
 
 def build(args: argparse.Namespace) -> RankState:
@@ -94,11 +96,23 @@ def resume(args: argparse.Namespace, state: RankState) -> tuple[int, int]:
     if point is None:
         return 0, 0
     sd = state_dict(state, 0, 0)
+    saved = solosave.load_prepared_metadata(point[1]).metadata.state_dict_metadata
+    own_rng = f"rng.rank{state.rank}" in saved
+    if not own_rng:  # resumed at a larger world size: this rank has no RNG state in the checkpoint
+        del sd["rng"]
     solosave.load(sd, point[1])
     set_state_dict(state.train_model, state.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    torch.set_rng_state(sd["rng"][f"rank{state.rank}"])
-    state.resumed_from = point[1]
     step, position = int(sd["train"]["step"]), int(sd["train"]["data_position"])
+    if own_rng:
+        torch.set_rng_state(sd["rng"][f"rank{state.rank}"])
+    else:
+        torch.manual_seed(args.seed * 1_000_003 + step * 1009 + state.rank)
+    saved_world = sum(1 for k in saved if k.startswith("rng.rank"))
+    if saved_world != state.world and state.rank == 0:
+        print(f"resuming a checkpoint of {saved_world} ranks on {state.world}: the model, optimizer and "
+              "data position carry over; ranks without a saved RNG state are re-seeded "
+              "(the loss curve is not bit-identical to an uninterrupted run)", flush=True)
+    state.resumed_from = point[1]
     if state.rank == 0:
         print(f"resumed from {point[1]} (step {step})", flush=True)
     return step, position
@@ -128,19 +142,35 @@ def train_step(args: argparse.Namespace, state: RankState, step: int, position: 
     return float(mean) / state.world
 
 
+def exit_requested(args: argparse.Namespace, state: RankState) -> bool:
+    """``--exit-signal-handler``: whether any rank received SIGTERM or SIGINT (every rank
+    agrees: one all_reduce of a flag per step, as Megatron's handler does)."""
+    if not args.exit_signal_handler:
+        return False
+    flag = torch.tensor([1 if state.signalled else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def loop(args: argparse.Namespace, state: RankState, manager: CheckpointManager | None,
          reporter: Reporter, step: int, position: int) -> None:
-    """Train from ``step`` to ``--steps``; save every ``--save-interval`` steps and at the last one."""
+    """Train from ``step`` to ``--steps``; save every ``--save-interval`` steps and at the last one,
+    and (``--exit-signal-handler``) once more, then stop, after a SIGTERM or SIGINT."""
     interval = args.save_interval or args.steps
     while step < args.steps:
         step += 1
         loss = train_step(args, state, step, position)
         position += args.batch_size * state.world
         reporter.step(step, loss)
+        stop = exit_requested(args, state)
         if manager is not None:
             manager.poll()
-            if step % interval == 0 or step == args.steps:
+            if step % interval == 0 or step == args.steps or stop:
                 manager.save(step, state_dict(state, step, position))
+        if stop:
+            if state.rank == 0:
+                print(f"exit signal received: saved step {step}, exiting", flush=True)
+            return
 
 
 def drain(manager: CheckpointManager | None, reporter: Reporter) -> int:
@@ -181,6 +211,12 @@ def run_rank(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     state = build(args)
+    if args.exit_signal_handler:
+        def on_signal(signum: int, frame: Any) -> None:
+            state.signalled = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
     step, position = resume(args, state)
     reporter = Reporter(args, state.rank, step)
     manager = checkpointing(args, state, reporter)

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
     except ValueError as e:
         parser.error(str(e))
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
     t0 = time.perf_counter()
@@ -53,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "--module", "solosave.demo", "--", *argv])
     except SystemExit as e:
         return int(e.code or 0)
+    except SignalException as e:  # torchrun got SIGTERM/SIGINT and stopped the ranks
+        if args.exit_signal_handler:
+            print(f"stopped by signal {e.sigval.name}: the ranks saved and exited", file=sys.stderr)
+            return 0
+        return 128 + int(e.sigval)
     except Exception as e:  # noqa: BLE001 - torchrun raises ChildFailedError
         codes = sorted({f.exitcode for f in getattr(e, "failures", {}).values()})
         print(f"solosave train failed: a rank exited with code {codes or '?'} (its error is above)",
