@@ -613,3 +613,53 @@ def soak(rank: int, ws: int, root: str, saves: int, timeout: float) -> dict:
     return {"modes": modes, "seconds": elapsed, "start": start, "end": end, "fds_before": fds0,
             "fds_after_close": open_fds(), "children_before": kids0, "children_during": kids_during,
             "children_after": children(me), "worker_alive_after_close": alive(wpid), "worker_pid": wpid}
+
+
+def mixed_soak(rank: int, ws: int, root: str, steps: int, timeout: float) -> dict:
+    """Saves to new paths, same-path saves with and without overwrite, layout drifts and dropped
+    checkpointers, in a seeded random order (the same on every rank); after every step every
+    published checkpoint this run made still loads with both loaders and holds what was saved."""
+    import gc
+    import random
+
+    _fresh(root)
+    rng = random.Random(12345)
+    sd = sd_at(rank, 0)
+    me = os.getpid()
+    fds0, kids0 = open_fds(), children(me)
+    expect: dict[str, tuple[int, str]] = {}
+    counts: dict[str, int] = {}
+    ck = _reuse_ck(root, timeout)
+    last = f"{root}/s0000"
+    ck.save(sd, last).wait(SETUP_WAIT)
+    expect[last] = (0, sd["tag"])
+    for i in range(1, steps + 1):
+        action = rng.choice(["new", "new", "same", "overwrite", "drift", "drop"])
+        counts[action] = counts.get(action, 0) + 1
+        set_step(sd, rank, i)
+        if action == "drift":
+            sd["tag"] = f"step-{i:06d}-" + "x" * rng.choice([10, 3000, 9000])
+        if action == "drop":
+            del ck  # dropped without close(): its finalizer stops the worker and frees the segment
+            gc.collect()
+            ck = _reuse_ck(root, timeout)
+        if action == "same":
+            try:
+                ck.save(sd, last)
+                raise AssertionError(f"step {i}: a re-save without overwrite was accepted")
+            except solosave.CheckpointExistsError:
+                pass
+        else:
+            path = last if action == "overwrite" else f"{root}/s{i:04d}"
+            r = ck.save(sd, path, overwrite=action == "overwrite").wait(timeout)
+            assert r.published, (i, action)
+            expect[path], last = (i, sd["tag"]), path
+        dist.barrier()
+        for path, (step, tag) in expect.items():
+            check_loads(path, ws, step, extra={"tag": tag})
+    ck.close()
+    del ck
+    gc.collect()
+    dist.barrier()
+    return {"counts": counts, "checkpoints": len(expect), "fds_before": fds0, "fds_after": open_fds(),
+            "children_before": kids0, "children_after": children(me)}

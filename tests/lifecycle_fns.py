@@ -137,3 +137,10 @@ out = {{"w": torch.zeros(64 << 20)}}
 solosave.load(out, {root!r} + "/big")
 print("LOADED", r.published, bool(torch.equal(out["w"], sd["w"])), flush=True)
 """
+
+KILLED_AFTER_SAVE = TRAINER_PREAMBLE + """
+ck = solosave.AsyncCheckpointer(timeout=120, persistent_worker={persistent})
+ck.save({{"w": torch.ones(1 << 20)}}, {root!r} + "/c0").wait(120)
+print("SAVED", os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""

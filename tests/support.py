@@ -37,6 +37,7 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, out
                        "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"})
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1 (the forkserver imported torch first)
     code = 0
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -61,10 +62,27 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, out
     os._exit(code)  # end deliberately: no late gloo teardown at interpreter exit
 
 
+_CTX: Any = None
+
+
+def _context() -> Any:
+    """A forkserver context whose server has already imported torch and solosave: each rank
+    starts as a fork of it instead of a fresh interpreter (torch's import costs seconds of CPU
+    per process on this machine, and the suite starts hundreds of ranks). The ranks' own worker
+    processes are still fresh interpreters, as in production."""
+    global _CTX  # one forkserver per test session
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint",
+                                     "solosave", "support"])
+    return _CTX
+
+
 def run_ranks_tolerant(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
-                       env: dict | None = None) -> dict[int, tuple[str, Any]]:
-    """Run ``fn`` on ``world_size`` ranks; a rank may die or fail (see the module docstring)."""
-    ctx = mp.get_context("spawn")
+                       env: dict | None = None, fresh: bool = False) -> dict[int, tuple[str, Any]]:
+    """Run ``fn`` on ``world_size`` ranks; a rank may die or fail (see the module docstring).
+    ``fresh``: each rank a fresh interpreter (``spawn``), e.g. for a ``sitecustomize`` to apply."""
+    ctx = mp.get_context("spawn") if fresh else _context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, out, env or {}))
@@ -109,9 +127,9 @@ def _drain(out: Any, res: dict, grace: float) -> None:
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
-              env: dict | None = None) -> list[Any]:
+              env: dict | None = None, fresh: bool = False) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks; every rank must return normally."""
-    res = run_ranks_tolerant(fn, world_size, *args, timeout=timeout, env=env)
+    res = run_ranks_tolerant(fn, world_size, *args, timeout=timeout, env=env, fresh=fresh)
     bad = {r: v for r, v in res.items() if v[0] != "ok"}
     if bad:
         raise AssertionError("\n".join(f"--- rank {r} ({kind}) ---\n{val}" for r, (kind, val) in sorted(bad.items())))

@@ -19,10 +19,11 @@ def test_roundtrip_every_kind_of_item(tmp_path, persistent):
     out = run_ranks(rank_fns.roundtrip_all_kinds, 2, str(tmp_path), persistent)
     assert all(mode == "collective" for _, mode in out)
     assert all(n > 0 for n, _ in out)  # replicated state is spread: every rank wrote something
+    if persistent:
+        _check_replicated_items_written_once(tmp_path)
 
 
-def test_replicated_items_written_once(tmp_path):
-    run_ranks(rank_fns.roundtrip_all_kinds, 2, str(tmp_path), True)
+def _check_replicated_items_written_once(tmp_path):
     with open(tmp_path / "c1" / ".metadata", "rb") as f:
         md = pickle.load(f)
     # each item appears once in storage_data; the 2 replicas of a plain tensor are not both written
@@ -50,16 +51,6 @@ def test_snapshot_semantics_worker_reuse_and_layout_determinism(tmp_path):
     assert out[0][0][0] != out[1][0][0]
 
 
-def test_failure_propagates_to_every_rank(tmp_path):
-    out = run_ranks(rank_fns.failure_propagation, 2, str(tmp_path))
-    for raised, published in out:
-        assert raised is not None
-        ranks, msg = raised
-        assert ranks == [1]
-        assert "injected I/O error" in msg and "rank 1" in msg
-        assert not published
-    assert not (tmp_path / "bad" / ".metadata").exists()
-
 
 def test_bad_input_is_refused_without_damage(tmp_path):
     out = run_ranks(rank_fns.bad_input, 2, str(tmp_path))
@@ -67,6 +58,7 @@ def test_bad_input_is_refused_without_damage(tmp_path):
         assert "already holds a complete checkpoint" in e["exists"] and "overwrite=True" in e["exists"]
         assert "to_dense" in e["sparse"]
         assert "not a directory" in e["notdir"]
+        assert "longer than 255 bytes" in e["long"]
         assert e["overwritten"] == [3.0, 3.0]
 
 
@@ -75,7 +67,8 @@ def _counted(tmp_path, monkeypatch, mode, saves, ws=2):
     log.mkdir()
     monkeypatch.setenv("PYTHONPATH", os.path.join(HERE, "wrap_dist") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("SOLOSAVE_TEST_COLLECTIVE_LOG", str(log))
-    per_rank = run_ranks(rank_fns.count_saves, ws, str(tmp_path / "ck"), mode, saves)
+    # fresh interpreters: the counting sitecustomize applies to the trainers too
+    per_rank = run_ranks(rank_fns.count_saves, ws, str(tmp_path / "ck"), mode, saves, fresh=True)
     observed = {"worker": Counter(), "trainer": Counter()}
     threads = Counter()
     for p in glob.glob(str(log / "*.log")):

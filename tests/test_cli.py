@@ -91,3 +91,13 @@ def test_verify_with_corrupt_prepared_file(ckpt, tmp_path, capsys):
     assert main(["verify", str(ckpt), "--prepared", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "truncated or corrupt" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags", [["--world-size", "0"], ["--workers", "-3"], ["--workers", "two"]])
+def test_prepare_refuses_bad_counts(ckpt, tmp_path, capsys, flags):
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--from", str(ckpt), "--out", str(tmp_path / "p.md"), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert ">= 1" in err and "Traceback" not in err
+    assert not (tmp_path / "p.md").exists()

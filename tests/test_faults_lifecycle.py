@@ -137,3 +137,19 @@ def test_a_dev_shm_too_small_falls_back_to_a_file_with_a_warning(tmp_path, case_
              "no SIGBUS: the reservation failed cleanly, one warning naming --shm-size / --ipc=host, "
              "staged in a file under the temporary directory; published and loads bit-exact",
              time.monotonic() - t0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_sigkilled_trainer_leaves_no_segment(tmp_path, case_log, persistent):
+    code = _script(L.KILLED_AFTER_SAVE.replace("{persistent}", str(persistent)), tmp_path)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+    pid = int(r.stdout.split("SAVED")[1].split()[0])
+
+    def left():
+        return [n for n in os.listdir("/dev/shm") if n.startswith(f"solosave_{pid}_")]
+
+    assert wait_until(lambda: not left(), 10.0), left()  # the trainer's resource tracker unlinked it
+    case_log(f"trainer SIGKILLed after a save ({'process' if persistent else 'thread'} mode)",
+             "its staging segment was unlinked by its resource tracker within seconds")

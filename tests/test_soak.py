@@ -52,3 +52,22 @@ def test_soak_reuse_saves(tmp_path, case_log):
              f"({t_saves / SAVES * 1e3:.0f} ms each, waited); /dev/shm solosave_* segments before/after: "
              f"{len(shm_before)}/{len(F.shm_segments())}; " + "; ".join(rows),
              time.monotonic() - t0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_soak_mixed_lifecycles(tmp_path, case_log):
+    ws, steps = 2, int(os.environ.get("SOLOSAVE_SOAK_MIXED_STEPS", "40"))
+    t0 = time.monotonic()
+    shm_before = F.shm_segments()
+    outs = run_ranks(F.mixed_soak, ws, str(tmp_path), steps, 60.0, timeout=1700)
+    for o in outs:
+        assert o["fds_after"] <= o["fds_before"], o
+        assert o["children_after"] == o["children_before"], o
+    assert wait_until(lambda: F.shm_segments() == shm_before, 5.0), (F.shm_segments(), shm_before)
+    counts = outs[0]["counts"]
+    assert all(counts.get(a, 0) > 0 for a in ("new", "same", "overwrite", "drift", "drop")), counts
+    case_log(f"mixed soak: {steps} steps at ws=2 ({', '.join(f'{k} x{v}' for k, v in sorted(counts.items()))})",
+             f"after every step all {outs[0]['checkpoints']} published checkpoints loaded with both loaders "
+             "and matched; re-saves without overwrite were refused on every rank; no segment, descriptor "
+             "or process left", time.monotonic() - t0)

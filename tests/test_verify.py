@@ -9,7 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import solosave
-from solosave._write import FileWriter, Record, checksum_path
+from solosave._format import checksum_path
+from solosave._write import FileWriter, Record
 
 
 @pytest.fixture()
@@ -81,3 +82,24 @@ def test_writer_from_main_script_is_refused_for_the_worker_process():
     Main = type("MainWriter", (FileWriter,), {"__module__": "__main__"})
     with pytest.raises(ValueError, match="defined in the main script"):
         solosave.AsyncCheckpointer(writer=Main())
+
+
+def test_a_metadata_of_another_layout_is_noticed(ckpt, tmp_path, case_log):
+    # a prepared file (or any .metadata) of another layout copied over a checkpoint's own
+    other = tmp_path / "other"
+    dcp.save({"a": torch.arange(1000.0), "b": torch.ones(64, 64), "step": "x" * 3000},
+             checkpoint_id=str(other), no_dist=True)
+    (ckpt / ".metadata").write_bytes((other / ".metadata").read_bytes())
+    rep = solosave.verify_checkpoint(ckpt)
+    assert not rep.ok and any(".metadata does not describe this file" in p for p in rep.problems), rep.problems
+    case_log("a .metadata of another layout over a checkpoint's data files",
+             "solosave verify reports that .metadata does not describe the data file")
+
+
+def test_a_sidecar_that_is_json_but_not_an_object_is_a_problem_not_a_traceback(ckpt, capsys):
+    from solosave.cli import main
+
+    (ckpt / "__0_0.distcp.crc32").write_text("[1, 2, 3]")
+    assert main(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr()
+    assert "unreadable checksum file (a JSON list, not an object)" in out.out and "Traceback" not in out.err
