@@ -385,7 +385,18 @@ def _state_dict_metadata(c: _Cols, fq: _Fqns, u: _Unique) -> SDM:
             md[fqn] = BytesStorageMetadata()
             continue
         nd, a, b = fq.nd[f], u.bounds[f], u.bounds[f + 1]
-        sizes = [shared_size(cache, tuple(z)) for z in u.sizes[a:b, :nd].tolist()]
+        seg = u.sizes[a:b, :nd]
+        radix = [int(seg[:, d].max()) + 1 for d in range(nd)] if b > a else []
+        if nd and b - a > 1 and math.prod(radix) < (1 << 62):  # few distinct sizes: one torch.Size each
+            key = seg[:, 0].clone()  # rows as one integer each (torch.unique(dim=0) is slow)
+            for d in range(1, nd):
+                key = key * radix[d] + seg[:, d]
+            _, inverse = torch.unique(key, return_inverse=True)
+            distinct = seg[_first_of(inverse, int(inverse.max()) + 1)]
+            shared = [shared_size(cache, tuple(z)) for z in distinct.tolist()]
+            sizes = [shared[j] for j in inverse.tolist()]
+        else:
+            sizes = [shared_size(cache, tuple(z)) for z in seg.tolist()]
         md[fqn] = TensorStorageMetadata(
             properties=TensorProperties(dtype=dtype_from_name(c.dt_names[fq.dtype[f]] or "float32")),
             size=torch.Size(fq.gsize[f][:nd]),

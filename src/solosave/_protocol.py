@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ._format import ItemKey, item_key
-from ._status import SaveIdentity, Status, decode_status, encode_status, save_identity
-
-__all__ = ["SaveIdentity", "Status", "decode_status", "encode_status", "save_identity"]  # re-exported
+from ._status import SaveIdentity as SaveIdentity  # re-exported: the status word is a message too
+from ._status import Status as Status
+from ._status import decode_status as decode_status
+from ._status import encode_status as encode_status
+from ._status import save_identity as save_identity
 
 # ---------------------------------------------------------------------------------------------
 # Tags
