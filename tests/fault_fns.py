@@ -657,6 +657,7 @@ def mixed_soak(rank: int, ws: int, root: str, steps: int, timeout: float) -> dic
         dist.barrier()
         for path, (step, tag) in expect.items():
             check_loads(path, ws, step, extra={"tag": tag})
+        dist.barrier()  # no rank overwrites a checkpoint another rank is still reading
     ck.close()
     del ck
     gc.collect()

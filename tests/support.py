@@ -192,3 +192,26 @@ def fresh(root: str) -> None:
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
     dist.barrier()
+
+
+_TMPFS_OK: bool | None = None
+
+
+def can_mount_private_tmpfs() -> bool:
+    """Whether this process may make a private mount namespace with a small tmpfs (root with
+    CAP_SYS_ADMIN and ``unshare``): probed once, by doing it."""
+    global _TMPFS_OK  # a fact about this machine, probed once per session
+    if _TMPFS_OK is None:
+        import subprocess
+        import tempfile
+
+        _TMPFS_OK = False
+        if os.geteuid() == 0 and shutil.which("unshare"):
+            with tempfile.TemporaryDirectory() as d:
+                try:
+                    r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {d}"],
+                                       capture_output=True, timeout=30)
+                    _TMPFS_OK = r.returncode == 0
+                except (OSError, subprocess.SubprocessError):
+                    _TMPFS_OK = False
+    return _TMPFS_OK

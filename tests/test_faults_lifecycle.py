@@ -4,7 +4,6 @@ the store's address, a trainer that dies at once, a final save from a SIGTERM ha
 /dev/shm too small for the staging buffer. Each test logs rows for docs/reliability.md."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import time
 import pytest
 
 import lifecycle_fns as L
-from support import free_port, run_ranks, wait_until
+from support import can_mount_private_tmpfs, free_port, run_ranks, wait_until
 
 TIMEOUT = 20.0
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -56,7 +55,7 @@ def test_a_checkpoints_own_metadata_as_prepared_file_is_never_overwritten(tmp_pa
     from fault_fns import check_loads  # one process: both loaders
 
     check_loads(str(tmp_path / "c0"), 2, 0)
-    case_log("prepared_metadata=<ckpt>/.metadata, then a layout drift (ws=2)",
+    case_log("prepared_metadata is a checkpoint's own .metadata, then a layout drift (ws=2)",
              "the drifted save fell back and published; the refreshed layout is kept in memory (the next "
              "save reuses it); c0's .metadata is byte-identical and c0 loads with both loaders",
              time.monotonic() - t0)
@@ -118,12 +117,8 @@ def test_a_final_save_after_a_signal_to_the_whole_process_group(tmp_path, case_l
              time.monotonic() - t0)
 
 
-def _can_mount():
-    return os.geteuid() == 0 and shutil.which("unshare") is not None
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not _can_mount(), reason="needs root and unshare for a private 64 MiB /dev/shm")
+@pytest.mark.skipif(not can_mount_private_tmpfs(), reason="needs root and unshare for a private 64 MiB /dev/shm")
 def test_a_dev_shm_too_small_falls_back_to_a_file_with_a_warning(tmp_path, case_log):
     t0 = time.monotonic()
     code = _script(L.SAVE_BIG, tmp_path)

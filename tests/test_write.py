@@ -2,7 +2,6 @@
 
 import io
 import os
-import shutil
 import subprocess
 import sys
 import types
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from solosave._write import bytes_slot, padded_payload
+from support import can_mount_private_tmpfs
 
 
 def test_a_value_of_a_class_the_worker_cannot_import_keeps_its_padded_slot():
@@ -37,11 +37,7 @@ def test_padding_beyond_the_payload_size_is_refused():
     assert padded_payload(payload, len(payload)) == payload
 
 
-def _can_mount():
-    return os.geteuid() == 0 and shutil.which("unshare") is not None
-
-
-@pytest.mark.skipif(not _can_mount(), reason="needs root and unshare for a private 1 MiB tmpfs")
+@pytest.mark.skipif(not can_mount_private_tmpfs(), reason="needs root and unshare for a private 1 MiB tmpfs")
 def test_a_full_disk_is_no_space_left_on_device_naming_the_item(tmp_path):
     # torch's zip writer reports a full disk as "inline_container.cc ... unexpected pos"
     code = ("import torch\nfrom solosave._write import FileWriter, Record\n"
