@@ -39,7 +39,7 @@ class Ranks:
         self.tmp = tmp_path
         opts = CheckpointerOptions(persistent_worker=False, **options)
         channels = local_channels(world, timeout=10)
-        settings = EngineSettings(opts.workers, opts.on_layout_drift, opts.writable_prepared_path)
+        settings = EngineSettings(opts.workers, opts.on_layout_drift, opts.prepared_path)
         self.engines = [engine_cls(ch, settings, writer or FileWriter(fsync=False)) for ch in channels]
         self.sessions = [SaveSession(r, world, opts, None) for r in range(world)]
 

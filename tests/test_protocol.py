@@ -74,3 +74,12 @@ def test_an_aborted_save_is_a_wildcard_on_the_directory_only():
     # a directory that is not valid UTF-8 (a byte escaped by the file-system encoding) works
     odd = save_identity(1, b"/ckpt/\xff".decode("utf-8", "surrogateescape"))
     assert decode_status(encode_status(Status.OK, odd), odd) == Status.OK
+
+
+def test_same_save_as_the_planning_gather_checks_it():
+    from solosave._status import same_save
+
+    a, b = save_identity(3, "/c/a"), save_identity(3, "/c/b")
+    assert same_save([a, a, save_identity(3, None)])
+    assert not same_save([a, b]) and not same_save([a, b, save_identity(3, None)])
+    assert not same_save([a, save_identity(4, "/c/a")]) and not same_save([a, save_identity(4, None)])

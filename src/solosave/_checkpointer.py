@@ -158,7 +158,7 @@ class AsyncCheckpointer:
 
     def _start_background(self, writer: FileWriter | None) -> None:
         o = self.options
-        settings = EngineSettings(o.workers, o.on_layout_drift, o.writable_prepared_path)
+        settings = EngineSettings(o.workers, o.on_layout_drift, o.prepared_path)
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
         if o.persistent_worker:
             spec = ChannelSpec(host, port, prefix, self.rank, self.world_size, float(o.timeout))
@@ -284,7 +284,7 @@ class AsyncCheckpointer:
         if not os.access(p, os.W_OK | os.X_OK):
             raise ValueError(f"checkpoint directory {os.fspath(p)!r} is not writable; choose a "
                              "writable location or fix its permissions")
-        return os.fspath(p)
+        return normalize_directory(p)  # the same string an aborted save would use
 
     # -- completion -------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:

@@ -19,11 +19,12 @@ import dataclasses
 import os
 import uuid
 from array import array
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from ._engine import Engine, OutOfStep, describe
+from ._coordinate import OutOfStep
+from ._errors import describe
 from ._format import METADATA_FILE, file_name
 from ._global_plan import GlobalPlan, global_plan
 from ._layout import bucket_items, finish_metadata
@@ -45,7 +46,11 @@ from ._protocol import (
     result_keys,
 )
 from ._publish import MetadataTemplate
+from ._status import same_save
 from ._write import bytes_slot
+
+if TYPE_CHECKING:  # the engine calls this module; it is only named here
+    from ._engine import Engine
 
 
 def run_collective(engine: Engine, job: SaveJob, timings: dict[str, float],
@@ -101,7 +106,7 @@ def plan_request(job: SaveJob, prewritten: list[WriteResult] | None, drifts: lis
 def decide(job: SaveJob, requests: list[PlanRequest], coordinator: int) -> tuple[list[PlanDecision], GlobalPlan | None]:
     """Coordinator: one decision per rank, and the global plan when every rank may go on."""
     world = len(requests)
-    if len({r.identity.seq_bits for r in requests}) != 1 or len({r.identity.dir_bits for r in requests} - {None}) > 1:
+    if not same_save([r.identity for r in requests]):
         msg = (f"the coordinator's save {job.seq} to {job.directory} met a different save of "
                "another rank in the planning gather")
         return [PlanDecision(Verdict.OUT_OF_STEP, message=msg)] * world, None
@@ -169,9 +174,9 @@ def _persist_prepared(engine: Engine, prepared: Any, data: bytes) -> None:
     path = engine.settings.prepared_path
     if not path:
         return
-    if os.path.basename(path) == METADATA_FILE:
-        engine.warnings.append(f"the prepared metadata {path} is a checkpoint's own {METADATA_FILE}: it is "
-                               "not overwritten; the refreshed prepared metadata is kept in memory")
+    if os.path.basename(path) == METADATA_FILE or os.path.isdir(path):
+        engine.warnings.append(f"the prepared metadata came from checkpoint {path}, which is never written "
+                               "into; the refreshed prepared metadata is kept in memory")
         return
     try:  # `data` is the protocol-2 pickle of `prepared`: stored as is
         write_prepared_file(path, prepared_fingerprint(prepared, engine.world_size, engine.workers), data)

@@ -41,6 +41,10 @@ class ChannelError(Exception):
     answer within the timeout. The channel cannot be used any more."""
 
 
+class OutOfStep(Exception):
+    """The ranks' engines are not running the same save (found in a collective's result)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CollectiveCall:
     """One collective: its kind (``torch.distributed`` name), payload bytes this rank sent or

@@ -36,7 +36,9 @@ import traceback
 from collections import defaultdict
 from typing import Any
 
-from ._coordinate import Channel, ChannelError
+from ._collective import run_collective
+from ._coordinate import Channel, ChannelError, OutOfStep
+from ._errors import describe
 from ._layout import check_layout
 from ._prepared import PreparedMetadata
 from ._protocol import (
@@ -58,17 +60,6 @@ from ._write import FileWriter, Record
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
             "AsyncCheckpointer on every rank")
-
-
-class OutOfStep(Exception):
-    """The ranks' engines are not running the same save."""
-
-
-def describe(e: BaseException) -> str:
-    """``Type: message at file:line`` of an exception (one line, for messages to every rank)."""
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
-    return f"{type(e).__name__}: {e}{where}"
 
 
 class Engine:
@@ -102,8 +93,6 @@ class Engine:
     # ------------------------------------------------------------------------------------
     def run(self, job: SaveJob) -> JobOutcome:
         """Run one save on this rank (every rank runs the same job; see the module doc)."""
-        from ._collective import run_collective
-
         mark = self.channel.counter.mark()
         timings: dict[str, float] = defaultdict(float)
         if self.broken is not None:
@@ -190,8 +179,6 @@ class Engine:
         return (Status.DRIFT if drifts else Status.OK), drifts, results, None
 
     def _reuse(self, job: SaveJob, timings: dict[str, float]) -> JobOutcome:
-        from ._collective import run_collective
-
         ch = self.channel
         prepared = self.prepared_for(job) if job.abort is None else None
         status, drifts, results, err = self._reuse_write(job, timings)
@@ -209,8 +196,8 @@ class Engine:
             reports = ch.all_gather_object(drifts)
             return JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.DRIFT,
                               drifts={r: d for r, d in enumerate(reports) if d})
-        prewritten = results if status is not Status.FAILED and not (job.reuse and job.reuse.drift) else None
-        return run_collective(self, job, timings, prewritten=prewritten, drifts=drifts)
+        # results: what this rank already wrote (None if it wrote nothing); the fallback keeps it
+        return run_collective(self, job, timings, prewritten=results, drifts=drifts)
 
     def _reuse_publish(self, job: SaveJob, prepared: Any, results: list | None,
                        timings: dict[str, float]) -> JobOutcome:

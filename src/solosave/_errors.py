@@ -20,6 +20,8 @@ problem and the fix.
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Mapping, Sequence
 
 
@@ -99,3 +101,10 @@ class FingerprintMismatchError(PreparedMetadataError):
 
 class SaveTimeoutError(SolosaveError, TimeoutError):
     """A bounded wait ran out of time."""
+
+
+def describe(e: BaseException) -> str:
+    """``Type: message at file:line`` of an exception: one line, for messages sent to every rank."""
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"

@@ -105,7 +105,7 @@ def global_plan(requests: Sequence[PlanRequest]) -> GlobalPlan:
     with gc_paused():
         cols = _merge(requests)
         fq = _check_fqns(cols)
-        uq = _unique_items(cols, fq)
+        uq = _unique_items(cols)
         _check_tiling(cols, fq, uq)
         st_rank, st_uid, st_pos = _staged_items(requests, cols, uq)
         owner = _assign_writers(requests, cols, fq, uq, st_rank, st_uid)
@@ -229,19 +229,15 @@ def _invalid(errors: list[str], total: int | None = None) -> PlanValidationError
 
 # -- phase 3 -----------------------------------------------------------------------------------
 
-def _unique_items(c: _Cols, fq: _Fqns) -> _Unique:
+def _unique_items(c: _Cols) -> _Unique:
     n, maxnd = c.fid.numel(), c.offs.shape[1]
     radix = [int(c.offs[:, d].max()) + 1 if n else 1 for d in range(maxnd)]
-    if n and bool((c.offs < 0).any()):
-        radix = []  # negative offsets (found by the tiling check): the row-wise unique
-    if radix or not maxnd:
+    # one integer key per row (fqn id, offsets in mixed radix) when it fits in int64 and no
+    # offset is negative (the tiling check reports those); otherwise the slower row-wise unique
+    if not bool((c.offs < 0).any()) and math.prod(radix) * max(len(c.names), 1) < (1 << 62):
         key = c.fid.clone()
         for d in range(maxnd):
             key = key * radix[d] + c.offs[:, d]
-        fits = math.prod(radix) * max(len(c.names), 1) < (1 << 62)
-    else:
-        fits = False
-    if fits:
         _, inv = torch.unique(key, return_inverse=True)
     else:
         _, inv = torch.unique(torch.cat([c.fid[:, None], c.offs], dim=1), dim=0, return_inverse=True)

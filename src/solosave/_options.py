@@ -17,7 +17,6 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ._format import METADATA_FILE
 from ._prepared import PreparedMetadata
 
 DRIFT_POLICIES = ("fallback", "raise")
@@ -40,8 +39,17 @@ class OptionError(ValueError):
         super().__init__(self.render(lambda name: name))
 
     def render(self, name_of: Any) -> str:
-        names = {f.name: name_of(f.name) for cls in _OPTION_CLASSES for f in dataclasses.fields(cls)}
-        return self.template.format(**names)
+        """The message with every ``{field}`` replaced by ``name_of(field)``."""
+        return self.template.format_map(_Names(name_of))
+
+
+class _Names(dict):
+    def __init__(self, name_of: Any) -> None:
+        super().__init__()
+        self.name_of = name_of
+
+    def __missing__(self, key: str) -> str:
+        return self.name_of(key)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,15 +113,6 @@ class CheckpointerOptions:
         return os.fspath(pm) if isinstance(pm, (str, os.PathLike)) else None
 
     @property
-    def writable_prepared_path(self) -> str | None:
-        """Where a created or refreshed prepared metadata may be written: never into a
-        checkpoint (its ``.metadata``, or a checkpoint directory given as the source)."""
-        path = self.prepared_path
-        if path is None or os.path.basename(path) == METADATA_FILE or os.path.isdir(path):
-            return None
-        return path
-
-    @property
     def makes_prepared(self) -> bool:
         """The first collective save's metadata becomes the prepared metadata."""
         return self.create_prepared_metadata or self.assume_constant_structure
@@ -132,21 +131,11 @@ def add_option_flags(group: Any, cls: type = CheckpointerOptions) -> None:
                            choices=meta["choices"], help=meta["help"])
 
 
-#: Every options dataclass whose fields an :class:`OptionError` may name (see ``register``).
-_OPTION_CLASSES: list[type] = [CheckpointerOptions]
-
-
-def register(cls: type) -> type:
-    """Class decorator: ``cls`` (declared with :func:`option`) may be named in errors."""
-    _OPTION_CLASSES.append(cls)
-    return cls
-
-
-def flag_of(name: str) -> str:
-    for cls in _OPTION_CLASSES:
-        for f in dataclasses.fields(cls):
-            if f.name == name:
-                return f.metadata["flag"]
+def flag_of(name: str, cls: type) -> str:
+    """The flag of field ``name`` of the options dataclass ``cls`` (the name if it has none)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata["flag"]
     return name
 
 
@@ -157,4 +146,4 @@ def options_from_args(args: argparse.Namespace, cls: type = CheckpointerOptions,
     try:
         return cls(**kw)
     except OptionError as e:
-        raise ValueError(e.render(flag_of)) from e
+        raise ValueError(e.render(lambda name: flag_of(name, cls))) from e

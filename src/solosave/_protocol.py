@@ -310,7 +310,7 @@ class WriteReport(NamedTuple):
     results: list[WriteResult] | None
     error: str | None
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple:  # a short global instead of the class: gathered from every rank
         return (_wr, (self.results, self.error))
 
 

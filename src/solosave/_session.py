@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ._options import CheckpointerOptions
@@ -108,8 +109,6 @@ class SaveSession:
 
 def normalize_directory(path: Any) -> str:
     """The directory string every rank derives alike from the ``path`` it was given."""
-    from pathlib import Path
-
     if isinstance(path, (str, os.PathLike)):
         return os.fspath(Path(path))
     return repr(path)

@@ -43,10 +43,12 @@ class SaveIdentity(NamedTuple):
     seq_bits: int
     dir_bits: int | None
 
-    def agrees(self, other: SaveIdentity) -> bool:
-        """Two ranks run the same save (what the planning gather checks)."""
-        return self.seq_bits == other.seq_bits and (
-            self.dir_bits is None or other.dir_bits is None or self.dir_bits == other.dir_bits)
+
+
+def same_save(identities: list[SaveIdentity]) -> bool:
+    """Every rank runs the same save (the planning gather's check; the status word makes the
+    same check through the AND): one sequence number, one directory apart from wildcards."""
+    return len({i.seq_bits for i in identities}) == 1 and len({i.dir_bits for i in identities} - {None}) <= 1
 
 
 def save_identity(seq: int, directory: str | None) -> SaveIdentity:

@@ -26,7 +26,6 @@ from ._errors import PreparedMetadataError
 from ._format import (
     CHECKSUM_FORMAT,
     CHECKSUM_SUFFIX,
-    METADATA_FILE,
     check_ranges,
     checksum_path,
     confined_path,
@@ -34,8 +33,8 @@ from ._format import (
     ranges_by_file,
 )
 from ._layout import check_results_cover
+from ._load import parse_metadata, read_metadata_bytes
 from ._prepared import infer_world_workers, load_prepared_metadata
-from ._safe_pickle import safe_loads
 
 _READ_CHUNK = 8 << 20
 
@@ -93,16 +92,7 @@ def check_files_tiled(directory: str, per_file: dict[str, list[tuple[int, int, s
 def _read_metadata(directory: str) -> Metadata:
     if not os.path.isdir(directory):
         raise PreparedMetadataError(f"{directory}: no such checkpoint directory")
-    path = os.path.join(directory, METADATA_FILE)
-    if not os.path.exists(path):
-        raise PreparedMetadataError(
-            f"{directory}: directory has no {METADATA_FILE} (not a published checkpoint; a save that "
-            "failed or is still running leaves none)")
-    with open(path, "rb") as f:
-        md = safe_loads(f.read(), what=path)  # allowlisted unpickling, clear errors
-    if not isinstance(md, Metadata):
-        raise PreparedMetadataError(f"{path}: holds a {type(md).__name__}, not a DCP Metadata")
-    return md
+    return parse_metadata(read_metadata_bytes(directory), directory)  # allowlisted, clear errors
 
 
 def _read_sidecar(sidecar: str) -> dict[tuple[int, int], int]:

@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 from ._coordinate import DistChannel
 from ._engine import Engine
 from ._errors import WorkerDiedError
-from ._protocol import ErrorKind, JobOutcome, SaveJob, WorkerEvent, WorkerMessage, WorkerSetup
+from ._protocol import ErrorKind, JobOutcome, Mode, SaveJob, SaveKind, WorkerEvent, WorkerMessage, WorkerSetup
 
 log = logging.getLogger("solosave")
 _POLL = 0.05
@@ -208,14 +208,9 @@ class ProcessTransport:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        for stop in (self.process.terminate, self.process.kill):
-            if self.process.poll() is not None:
-                return
-            stop()  # SIGTERM is ignored by the worker: this is the kill below, in practice
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                continue
+        if self.process.poll() is None:  # SIGTERM is ignored by the worker (signals are the trainer's)
+            self.process.kill()
+            self.process.wait(5)
 
 
 class ThreadTransport:
@@ -240,7 +235,8 @@ class ThreadTransport:
             try:
                 self._outcomes.put(self.engine.run(job))
             except BaseException as e:  # noqa: BLE001 - keep the thread alive, report it
-                self._outcomes.put(JobOutcome(job.seq, False, job.mode.value, ErrorKind.INTERNAL,
+                kind = SaveKind.REUSE if job.mode is Mode.REUSE else SaveKind.COLLECTIVE
+                self._outcomes.put(JobOutcome(job.seq, False, kind, ErrorKind.INTERNAL,
                                               failures={self.engine.rank: traceback.format_exc() or repr(e)}))
 
     def submit(self, job: SaveJob) -> None:

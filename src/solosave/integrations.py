@@ -38,7 +38,7 @@ from typing import Any
 from ._checkpointer import AsyncCheckpointer, SaveHandle
 from ._errors import SolosaveError
 from ._format import METADATA_FILE
-from ._options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args, register
+from ._options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args
 from ._prepared import PreparedMetadata, load_prepared_metadata
 from ._publish import atomic_write
 from ._result import SaveResult
@@ -50,7 +50,6 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 AUTO = "auto"
 
 
-@register
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunOptions:
     """The flags of a training run's checkpointing that are not checkpointer options (those are
