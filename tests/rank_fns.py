@@ -325,3 +325,51 @@ def load_reads_metadata_once(rank, ws, root):
     finally:
         _load.read_metadata_bytes = real
     return {"reads": len(calls), "w": target["w"].tolist(), "step": target["step"], "errors": errors}
+
+
+# -- overlapped staging ----------------------------------------------------------------------
+
+def overlap_staging(rank, ws, root):
+    """Overlapped staging: values as of save() after wait_staged(); a change before the copy
+    is done (rank 1, the copy held back by a gate) fails that save on every rank; the next works."""
+    import threading
+
+    from solosave import _stage
+
+    _fresh(root)
+    w = f"w{rank}"  # held by one rank: plain tensors held by several are replicas
+    sd = {w: torch.arange(4096.0) + rank, "b": torch.ones(3, dtype=torch.bfloat16), "step": 0}
+    out = {"modes": []}
+    with solosave.AsyncCheckpointer(overlap_staging=True, assume_constant_structure=True, timeout=60) as ck:
+        for i in range(3):
+            sd["step"] = i
+            h = ck.save(sd, f"{root}/s{i}")
+            h.wait_staged()
+            expect = {w: sd[w].clone(), "b": sd["b"].clone(), "step": i}
+            sd[w].add_(1)  # the optimizer step, after wait_staged()
+            sd["b"].mul_(2)
+            out["modes"].append(h.wait().mode)
+            got = zeros_like_sd(expect)
+            solosave.load(got, f"{root}/s{i}")
+            assert_equal(got, expect)
+        gate, real = threading.Event(), _stage._copy_cpu
+        if rank == 1:
+            _stage._copy_cpu = lambda plan, srcs: (gate.wait(30), real(plan, srcs))
+        h = ck.save(sd, f"{root}/race")
+        if rank == 1:
+            sd[w].add_(1)  # before wait_staged() and before the copy
+            gate.set()
+            try:
+                h.wait_staged()
+            except solosave.StagingRaceError as e:
+                out["race"] = str(e)
+            _stage._copy_cpu = real
+        try:
+            h.wait()
+        except solosave.CheckpointError as e:
+            out["failed"] = str(e)
+        out["published"] = os.path.exists(f"{root}/race/.metadata")
+        h = ck.save(sd, f"{root}/after")
+        h.wait_staged()
+        out["after"] = h.wait().mode
+    return out

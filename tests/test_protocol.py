@@ -83,3 +83,45 @@ def test_same_save_as_the_planning_gather_checks_it():
     assert same_save([a, a, save_identity(3, None)])
     assert not same_save([a, b]) and not same_save([a, b, save_identity(3, None)])
     assert not same_save([a, save_identity(4, "/c/a")]) and not same_save([a, save_identity(4, None)])
+
+
+def _job(seq, items, held, reuse, planner_data, directory="d"):
+    from solosave._protocol import Mode, SaveJob, StagedSave
+
+    return SaveJob(seq=seq, directory=f"{directory}{seq}", mode=Mode.REUSE,
+                   staged=StagedSave("shm:x", 4096, items), held=held, planner_data=planner_data, reuse=reuse)
+
+
+def test_a_job_of_an_unchanged_structure_travels_as_a_small_delta():
+    from solosave._protocol import ItemKind, ItemSpec, JobDelta, ReusePlan, StagedItem, compact_job, expand_job
+
+    specs = [ItemSpec(f"t{i}", ItemKind.TENSOR, (0,), (8,), (8,), "float32", 32) for i in range(200)]
+    bspec = ItemSpec("step", ItemKind.BYTES)
+    tensors = tuple(StagedItem(s, 64 * i) for i, s in enumerate(specs))
+    held, reuse, pdata = tuple(specs) + (bspec,), ReusePlan(()), {"step": ("step",)}
+    first = _job(1, tensors + (StagedItem(bspec, -1, b"one"),), held, reuse, pdata)
+    second = _job(2, tensors + (StagedItem(bspec, -1, b"two"),), held, reuse, pdata)
+    assert compact_job(None, first) is first
+    delta = compact_job(first, second)
+    assert isinstance(delta, JobDelta) and delta.payloads == ((200, b"two"),)
+    assert len(pickle.dumps(delta)) * 10 < len(pickle.dumps(second))
+    back = expand_job(pickle.loads(pickle.dumps(first)), pickle.loads(pickle.dumps(delta)))
+    assert back.seq == 2 and back.directory == "d2" and back.staged.items[-1].payload == b"two"
+    assert [it.spec.fqn for it in back.staged.items] == [it.spec.fqn for it in second.staged.items]
+    assert len(back.held) == len(held) and back.planner_data == pdata
+
+
+def test_a_changed_structure_or_an_abort_travels_whole():
+    from solosave._protocol import ItemKind, ItemSpec, ReusePlan, StagedItem, compact_job
+
+    s = ItemSpec("t", ItemKind.TENSOR, (0,), (8,), (8,), "float32", 32)
+    items, held, reuse, pdata = (StagedItem(s, 0),), (s,), ReusePlan(()), {}
+    first = _job(1, items, held, reuse, pdata)
+    whole = _job(2, items, (s,), reuse, pdata)
+    assert compact_job(first, whole) is whole
+    other = _job(2, (StagedItem(s, 64),), held, reuse, pdata)
+    assert compact_job(first, other) is other
+    import dataclasses
+
+    aborted = dataclasses.replace(_job(2, items, held, reuse, pdata), abort="boom")
+    assert compact_job(first, aborted) is aborted

@@ -4,9 +4,10 @@ Public API (everything else is private and may change)::
 
     AsyncCheckpointer, CheckpointerOptions, SaveHandle, SaveResult, PhaseTimings, CollectiveCall
     load, PreparedMetadata, Fingerprint, load_prepared_metadata, save_prepared_metadata
-    FileWriter, verify_checkpoint, VerifyReport
+    FileWriter, verify_checkpoint, VerifyReport, export, ExportReport
     SolosaveError, CheckpointError, LayoutDriftError, WorkerDiedError, CheckpointExistsError,
-    CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError, FingerprintMismatchError, SaveTimeoutError
+    CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError, FingerprintMismatchError, SaveTimeoutError,
+    StagingRaceError
 """
 
 from ._checkpointer import AsyncCheckpointer, SaveHandle
@@ -20,9 +21,11 @@ from ._errors import (
     PreparedMetadataError,
     SaveTimeoutError,
     SolosaveError,
+    StagingRaceError,
     UnsafeMetadataError,
     WorkerDiedError,
 )
+from ._export import ExportReport, export
 from ._load import load
 from ._options import CheckpointerOptions
 from ._prepared import Fingerprint, PreparedMetadata, load_prepared_metadata, save_prepared_metadata
@@ -39,6 +42,7 @@ __all__ = [
     "CheckpointerOptions",
     "CollectiveCall",
     "CorruptCheckpointError",
+    "ExportReport",
     "FileWriter",
     "Fingerprint",
     "FingerprintMismatchError",
@@ -50,9 +54,11 @@ __all__ = [
     "SaveResult",
     "SaveTimeoutError",
     "SolosaveError",
+    "StagingRaceError",
     "UnsafeMetadataError",
     "VerifyReport",
     "WorkerDiedError",
+    "export",
     "load",
     "load_prepared_metadata",
     "save_prepared_metadata",

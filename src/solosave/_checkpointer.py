@@ -40,6 +40,7 @@ from ._prepared import PreparedMetadata, load_prepared_metadata
 from ._protocol import ChannelSpec, EngineSettings, ErrorKind, JobOutcome, SaveJob, SaveKind, WorkerSetup
 from ._result import PhaseTimings, SaveResult, error_of
 from ._session import SaveSession, normalize_directory
+from ._stage import Staging
 from ._worker import ProcessTransport, ThreadTransport
 from ._write import FileWriter
 
@@ -62,6 +63,16 @@ class SaveHandle:
         self._error: BaseException | None = None
         #: The user saw this save's result or error (or never had a handle: an aborted save).
         self.reported = job.abort is not None
+        self._staging: Staging | None = None
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """With ``overlap_staging``: return once this save's tensors are copied (CPU tensors),
+        or once the current CUDA stream is ordered after the copies (nothing blocks): the
+        saved tensors may change from then on. Call it before ``optimizer.step()``. Raises
+        :class:`~solosave.StagingRaceError` if a saved tensor changed in place before (the save
+        then fails on every rank). Without ``overlap_staging`` it returns at once."""
+        if self._staging is not None:
+            self._staging.wait(self._owner.options.timeout if timeout is None else timeout)
 
     def _set(self, outcome: JobOutcome) -> None:
         self._outcome = outcome
@@ -243,21 +254,28 @@ class AsyncCheckpointer:
             raise
         handle = SaveHandle(self, built.job, t_start, built.plan_s, built.stage_s,
                             time.perf_counter() - p0, tuple(self._setup_counter.since(mark)))
+        handle._staging = built.staging
         self._inflight = handle
-        self._submit(built.job, built.cuda_event)
+        self._submit(built.job, built.staging)
         return handle
 
-    def _submit(self, job: SaveJob, cuda_event: Any) -> None:
-        """Hand ``job`` to the worker; after a CUDA staging, from a thread that first waits for
-        the copies (the training thread goes on; no CUDA object reaches the worker)."""
-        if cuda_event is None:
+    def _submit(self, job: SaveJob, staging: Staging | None) -> None:
+        """Hand ``job`` to the worker; when its copies are still running (CUDA, overlapped
+        staging), from a thread that first waits for them, so the training thread goes on and
+        no CUDA object reaches the worker. A staging that failed (e.g. a tensor changed before
+        its copy) fails the save on every rank instead."""
+        if staging is None or staging.immediate:
             self._transport.submit(job)
             return
 
         def after_copies() -> None:
             try:
-                cuda_event.synchronize()
-                self._transport.submit(job)
+                try:
+                    staging.synchronize()
+                    todo = job
+                except Exception as e:  # noqa: BLE001 - the save fails on every rank, naming it
+                    todo = SaveSession.fail_staged(job, e)
+                self._transport.submit(todo)
             except BaseException as e:  # noqa: BLE001 - reported by the handle
                 self._submit_error = e
 

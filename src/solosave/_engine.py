@@ -180,7 +180,7 @@ class Engine:
 
     def _reuse(self, job: SaveJob, timings: dict[str, float]) -> JobOutcome:
         ch = self.channel
-        prepared = self.prepared_for(job) if job.abort is None else None
+        prepared = self.prepared_for(job) if job.abort is None or job.prepared is not None else None
         status, drifts, results, err = self._reuse_write(job, timings)
         agreed = decode_status(ch.all_reduce_and(encode_status(status, job.identity)), job.identity)
         if agreed is None:

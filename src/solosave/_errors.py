@@ -12,7 +12,8 @@ from :class:`Exception` (unlike DCP's ``CheckpointException``, ``except Exceptio
     ├── PreparedMetadataError      a prepared-metadata file is unreadable, unsafe or mismatched (also ValueError)
     │   ├── UnsafeMetadataError    the pickle would import something outside the allowlist
     │   └── FingerprintMismatchError  world size / workers / structure differ from this run
-    └── SaveTimeoutError           a bounded wait ran out (also TimeoutError)
+    ├── SaveTimeoutError           a bounded wait ran out (also TimeoutError)
+    └── StagingRaceError           overlapped staging: a tensor changed before its copy was done
 
 Bad arguments raise plain :class:`ValueError` / :class:`TypeError` with a message that names the
 problem and the fix.
@@ -101,6 +102,11 @@ class FingerprintMismatchError(PreparedMetadataError):
 
 class SaveTimeoutError(SolosaveError, TimeoutError):
     """A bounded wait ran out of time."""
+
+
+class StagingRaceError(SolosaveError):
+    """With ``overlap_staging``, a staged tensor was changed in place (e.g. by
+    ``optimizer.step()``) before ``SaveHandle.wait_staged()``; that save fails on every rank."""
 
 
 def describe(e: BaseException) -> str:

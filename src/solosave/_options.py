@@ -85,6 +85,12 @@ class CheckpointerOptions:
     staging_dir: str | None = option(None, flag="--ckpt-staging-dir", metavar="DIR", help=(
         "stage in memory-mapped files in DIR instead of /dev/shm (also $SOLOSAVE_STAGING_DIR); "
         "solosave falls back to the temporary directory by itself when /dev/shm is too small"))
+    overlap_staging: bool = option(False, flag="--ckpt-overlap-staging", help=(
+        "save() returns before the tensors are copied: the copies overlap the next forward/"
+        "backward (a side CUDA stream, or a thread for CPU tensors), and the training loop must "
+        "call handle.wait_staged() before optimizer.step(); a tensor changed in place before "
+        "that fails the save (StagingRaceError). Default: copies done (CPU) or stream-ordered "
+        "(CUDA) when save() returns"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:

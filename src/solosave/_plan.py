@@ -37,12 +37,15 @@ class LocalPlan:
     specs: list[ItemSpec]
     values: dict[str, Any]
     planner_data: dict[str, ObjPath]
-    structure_hash: str = ""
     by_key: dict[ItemKey, ItemSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.by_key = {s.key: s for s in self.specs}
-        self.structure_hash = structure_hash(self.specs)
+        if not self.by_key:
+            self.by_key = {s.key: s for s in self.specs}
+
+    @property
+    def structure_hash(self) -> str:
+        return structure_hash(self.specs)
 
     @property
     def owned(self) -> list[ItemSpec]:

@@ -22,7 +22,10 @@ Rank <-> rank, over the channel (``_coordinate.py``), in the order the engine se
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import itertools
+import operator
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -225,6 +228,52 @@ class SaveJob:
     @property
     def identity(self) -> SaveIdentity:
         return save_identity(self.seq, None if self.abort is not None else self.directory)
+
+
+@dataclass(frozen=True, slots=True)
+class JobDelta:
+    """A :class:`SaveJob` sent as its difference from the previous job on the same pipe (the
+    process transport): a save of an unchanged structure reuses the same spec, plan and staged
+    item objects (see ``_structure.py``), so only its number, directory and the payloads of its
+    non-tensor items travel, not every item's spec again."""
+
+    #: The job without its structure (``held``, ``planner_data``, ``reuse``, staged items).
+    job: SaveJob
+    #: ``(index, payload)`` of the staged items whose payload differs from the previous job's.
+    payloads: tuple[tuple[int, bytes], ...]
+
+
+def compact_job(prev: SaveJob | None, job: SaveJob) -> SaveJob | JobDelta:
+    """``job`` as a :class:`JobDelta` against ``prev`` (trainer side) where it has the same
+    structure objects, else ``job`` itself."""
+    if (prev is None or job.abort is not None or prev.abort is not None or job.held is not prev.held
+            or job.planner_data is not prev.planner_data or job.reuse is not prev.reuse
+            or job.staged.buffer != prev.staged.buffer or len(job.staged.items) != len(prev.staged.items)):
+        return job
+    payloads = []
+    new, old = job.staged.items, prev.staged.items
+    for i in itertools.compress(range(len(new)), map(operator.is_not, new, old)):
+        a, b = new[i], old[i]
+        if a.spec is not b.spec or a.offset != b.offset or a.payload is None:
+            return job
+        if a.payload != b.payload:
+            payloads.append((i, a.payload))
+    bare = dataclasses.replace(job, held=(), planner_data={}, reuse=None,
+                               staged=StagedSave(job.staged.buffer, job.staged.buffer_size, ()))
+    return JobDelta(bare, tuple(payloads))
+
+
+def expand_job(prev: SaveJob | None, msg: SaveJob | JobDelta) -> SaveJob:
+    """The full job of ``msg`` (worker side), given the previous full job on the pipe."""
+    if isinstance(msg, SaveJob):
+        return msg
+    if prev is None:
+        raise RuntimeError("internal: a job delta without a previous job")
+    items = list(prev.staged.items)
+    for i, payload in msg.payloads:
+        items[i] = StagedItem(items[i].spec, items[i].offset, payload)
+    return dataclasses.replace(msg.job, held=prev.held, planner_data=prev.planner_data, reuse=prev.reuse,
+                               staged=StagedSave(msg.job.staged.buffer, msg.job.staged.buffer_size, tuple(items)))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ use and its token. Tests drive it directly, with engines on in-process channels.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -17,19 +18,20 @@ from pathlib import Path
 from typing import Any
 
 from ._options import CheckpointerOptions
-from ._plan import LocalPlan, plan_local
+from ._plan import LocalPlan
 from ._prepared import PreparedMetadata
-from ._protocol import JobOutcome, Mode, SaveJob, SaveKind, StagedSave
-from ._stage import Stager
+from ._protocol import ItemSpec, JobOutcome, Mode, SaveJob, SaveKind, StagedSave
+from ._stage import Stager, Staging
+from ._structure import StructureCache
 
 
 @dataclass(frozen=True, slots=True)
 class BuiltJob:
-    """A job ready for the worker, the CUDA event its staging must reach first (or None), and
-    how long planning and staging took."""
+    """A job ready for the worker once its staging completes, and how long planning and
+    staging took (in the calling thread)."""
 
     job: SaveJob
-    cuda_event: Any
+    staging: Staging
     plan_s: float
     stage_s: float
 
@@ -47,6 +49,10 @@ class SaveSession:
         self._sent_token = 0
         self.seq = 0
         self.stager = Stager(options.staging_dir)
+        self.structure = StructureCache()
+        #: (specs, token, stage-everything) -> (reuse plan, specs to stage, held tuple): the
+        #: reuse planning of the last structure, redone only when one of them changes.
+        self._reuse_cache: tuple[Any, ...] | None = None
         #: After a failed fallback: stage every owned item, so the collective path can assign
         #: any of them (an item whose prepared writer lost it is then written by another holder).
         self._stage_everything = False
@@ -59,26 +65,46 @@ class SaveSession:
         """Plan and stage ``state_dict`` for a save to ``directory`` and number the job. Raises
         for bad input before anything is numbered or staged; see :meth:`abort`."""
         t0 = time.perf_counter()
-        plan = plan_local(state_dict)
+        plan = self.structure.plan(state_dict)
+        reuse, to_stage, held = self._plans(plan)
+        t1 = time.perf_counter()
+        staged, staging = self.stager.stage(to_stage, plan.values, overlap=self.options.overlap_staging)
+        t2 = time.perf_counter()
+        return BuiltJob(self._job(directory, plan, staged, reuse, held), staging, t1 - t0, t2 - t1)
+
+    def _plans(self, plan: LocalPlan) -> tuple[Any, list[ItemSpec], tuple[ItemSpec, ...]]:
+        """The reuse plan, the specs to stage and the held specs of ``plan``'s structure (the
+        same objects for every save of an unchanged structure and prepared metadata)."""
+        key = (plan.specs, self.token, self._stage_everything)
+        c = self._reuse_cache
+        if c is not None and c[0] is key[0] and c[1:3] == key[1:]:
+            return c[3]
         reuse, to_stage = None, plan.owned
         if self.prepared is not None:
             reuse, to_stage = self.prepared.plan_reuse(plan, self.rank)
             if self._stage_everything:
                 to_stage = plan.owned
-        t1 = time.perf_counter()
-        staged, event = self.stager.stage(to_stage, plan.values)
-        t2 = time.perf_counter()
-        return BuiltJob(self._job(directory, plan, staged, reuse), event, t1 - t0, t2 - t1)
+        out = (reuse, to_stage, tuple(plan.specs))
+        self._reuse_cache = (*key, out)
+        return out
 
-    def _job(self, directory: str, plan: LocalPlan, staged: StagedSave, reuse: Any) -> SaveJob:
+    def _job(self, directory: str, plan: LocalPlan, staged: StagedSave, reuse: Any,
+             held: tuple[ItemSpec, ...]) -> SaveJob:
         self.seq += 1
         send = None
         if self.mode is Mode.REUSE and self._sent_token != self.token:
             send, self._sent_token = self.prepared, self.token
         return SaveJob(seq=self.seq, directory=directory, mode=self.mode, staged=staged,
-                       held=tuple(plan.specs), planner_data=plan.planner_data, reuse=reuse,
+                       held=held, planner_data=plan.planner_data, reuse=reuse,
                        make_prepared=self.options.makes_prepared and self.prepared is None,
                        prepared_token=self.token, prepared=send, submitted_at=time.time())
+
+    @staticmethod
+    def fail_staged(job: SaveJob, error: BaseException) -> SaveJob:
+        """``job`` turned into one that fails this save on every rank (its staging failed on
+        this rank after ``save()`` returned), keeping its number."""
+        return dataclasses.replace(job, staged=StagedSave(None, 0, ()), held=(), reuse=None,
+                                   abort=f"staging failed on this rank: {type(error).__name__}: {error}")
 
     def abort(self, directory: str, error: BaseException) -> SaveJob:
         """The job of a save whose ``save()`` raised on this rank: it takes this save's number

@@ -34,12 +34,15 @@ import logging
 import mmap
 import os
 import tempfile
+import threading
 import uuid
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
 import torch
 
+from ._errors import SaveTimeoutError, StagingRaceError
 from ._format import dtype_from_name
 from ._plan import serialize_bytes
 from ._protocol import ItemKind, ItemSpec, StagedItem, StagedSave
@@ -169,6 +172,20 @@ def _close_shm(shm: shared_memory.SharedMemory) -> None:
         pass
 
 
+@dataclass(slots=True)
+class _Plan:
+    """How one list of specs is staged: computed once per list (the structure cache hands the
+    same list to every save of an unchanged structure)."""
+
+    specs: list[ItemSpec]
+    on_cuda: bool
+    all_cpu: bool
+    tensors: list[ItemSpec]
+    others: list[ItemSpec]
+    views: list[torch.Tensor]
+    items: tuple[StagedItem, ...]
+
+
 class Stager:
     """Copies the items a rank writes into reusable host buffers (trainer side).
 
@@ -184,6 +201,7 @@ class Stager:
         self._layout: tuple | None = None
         self._offsets: dict = {}
         self._buffer: _Buffer | None = None
+        self._plan: _Plan | None = None
         self._side_stream: Any = None
 
     def _ensure(self, tensors: list[ItemSpec], pinned: bool) -> _Buffer | None:
@@ -204,39 +222,59 @@ class Stager:
         self._buffer, self._offsets, self._layout = buf, offsets, layout
         return buf
 
-    def stage(self, specs: list[ItemSpec], values: dict[str, Any]) -> tuple[StagedSave, Any]:
-        """Copy ``specs``' values (looked up by fqn in ``values``) into host memory. Returns the
-        staged save and, for CUDA tensors, the event that completes the copies (else None)."""
+    def _plan_for(self, specs: list[ItemSpec], values: dict[str, Any]) -> _Plan:
+        p = self._plan
+        if p is not None and p.specs is specs and (self._buffer is not None or not p.tensors):
+            return p
         tensors = [s for s in specs if s.kind is ItemKind.TENSOR]
-        on_cuda = any(values[s.fqn].is_cuda for s in tensors)
-        buf = self._ensure(tensors, pinned=on_cuda)
-        event = self._copy_cuda(buf, tensors, values) if on_cuda else None
-        items: list[StagedItem] = []
-        for s in specs:
-            if s.kind is ItemKind.BYTES:
-                items.append(StagedItem(s, -1, serialize_bytes(s.fqn, values[s.fqn])))
-                continue
-            off = self._offsets[s.key]
-            if not on_cuda:
-                src = values[s.fqn]
-                buf.view(off, s).copy_(src if src.device.type == "cpu" else src.cpu())  # type: ignore[union-attr]
-            items.append(StagedItem(s, off))
-        return StagedSave(buf.name if buf else None, buf.size if buf else 0, tuple(items)), event
+        devices = {values[s.fqn].device.type for s in tensors}
+        buf = self._ensure(tensors, pinned="cuda" in devices)
+        offsets = self._offsets
+        views = [buf.view(offsets[s.key], s) for s in tensors] if buf is not None else []
+        self._plan = _Plan(specs, "cuda" in devices, devices <= {"cpu"}, tensors,
+                           [s for s in specs if s.kind is not ItemKind.TENSOR], views,
+                           tuple(StagedItem(s, offsets[s.key]) for s in tensors))
+        return self._plan
 
-    def _copy_cuda(self, buf: _Buffer | None, tensors: list[ItemSpec], values: dict[str, Any]) -> Any:
-        if buf is None:
+    def stage(self, specs: list[ItemSpec], values: dict[str, Any], overlap: bool = False
+              ) -> tuple[StagedSave, Staging]:
+        """Copy ``specs``' values (looked up by fqn in ``values``) into host memory.
+
+        Non-tensor values are serialized now, in every mode. Tensors: copied before this
+        returns (CPU), or enqueued on a side stream that the current stream waits for (CUDA).
+        With ``overlap``, the copies proceed after this returns (a thread for CPU tensors, the
+        side stream alone for CUDA ones) and the returned :class:`Staging` says when they end.
+        """
+        plan = self._plan_for(specs, values)
+        srcs = [values[s.fqn] for s in plan.tensors]
+        buf = self._buffer
+        staging = Staging(srcs if overlap else [])
+        if plan.on_cuda:
+            staging.event = self._copy_cuda(plan, srcs, overlap)
+        elif overlap and srcs:
+            threading.Thread(target=staging.run, args=(lambda: _copy_cpu(plan, srcs),),
+                             name="solosave-stage", daemon=True).start()
+        else:
+            _copy_cpu(plan, srcs)
+        items = plan.items + tuple(StagedItem(s, -1, serialize_bytes(s.fqn, values[s.fqn])) for s in plan.others)
+        return StagedSave(buf.name if buf else None, buf.size if buf else 0, items), staging
+
+    def _copy_cuda(self, plan: _Plan, srcs: list[Any], overlap: bool) -> Any:
+        if not srcs:
             return None
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         current = torch.cuda.current_stream()
         self._side_stream.wait_stream(current)
-        with torch.cuda.stream(self._side_stream):
-            for s in tensors:
-                src = values[s.fqn]
-                buf.view(self._offsets[s.key], s).copy_(src, non_blocking=src.is_cuda)
+        with torch.cuda.stream(self._side_stream), torch.no_grad():
+            for dst, src in zip(plan.views, srcs):
+                dst.copy_(src, non_blocking=src.is_cuda)
+                if overlap and src.is_cuda:
+                    src.record_stream(self._side_stream)  # its memory is not reused before the copy
             event = torch.cuda.Event()
             event.record(self._side_stream)
-        current.wait_event(event)
+        if not overlap:
+            current.wait_event(event)
         return event
 
     def buffer_delivered(self) -> None:
@@ -250,6 +288,91 @@ class Stager:
         self._buffer = None
         self._layout = None
         self._offsets = {}
+        self._plan = None
+
+
+def _copy_cpu(plan: _Plan, srcs: list[Any]) -> None:
+    if not srcs:
+        return
+    with torch.no_grad():
+        if plan.all_cpu and _foreach_copy is not None:
+            _foreach_copy(plan.views, srcs)
+            return
+        for dst, src in zip(plan.views, srcs):
+            dst.copy_(src if src.device.type == "cpu" else src.cpu())
+
+
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+class Staging:
+    """When a save's tensors are staged (trainer side).
+
+    Blocking staging: done when ``stage()`` returns (CPU), or when ``event`` (CUDA) completes.
+    Overlapped staging: the copies run on after ``stage()``; :meth:`wait` blocks until they are
+    done (CPU) or makes the current CUDA stream wait for them (nothing blocks), and checks that
+    no staged tensor was changed in place before that (its version counter): such a save would
+    hold later values, so it fails instead (``error``).
+    """
+
+    def __init__(self, sources: list[Any]) -> None:
+        self.event: Any = None
+        self.sources = sources
+        self._versions = [t._version for t in sources]
+        self._done = threading.Event()
+        if not sources:
+            self._done.set()
+        self.error: BaseException | None = None
+        self._checked = False
+
+    def run(self, copy: Any) -> None:
+        """CPU overlap: run ``copy`` (in the staging thread), check, and mark done."""
+        try:
+            copy()
+            self.check()
+        except BaseException as e:  # noqa: BLE001 - reported by the save's handle
+            self.error = e
+        finally:
+            self._done.set()
+
+    def check(self) -> None:
+        """Raise if a staged tensor changed in place since ``save()`` (overlap mode only)."""
+        if not self._checked:
+            self._checked = True
+            if any(t._version != v for t, v in zip(self.sources, self._versions)):
+                self.error = StagingRaceError(
+                    "a tensor of this save was changed in place before its staging completed, so "
+                    "the checkpoint would hold later values; call handle.wait_staged() before "
+                    "optimizer.step() (or use the default blocking staging)")
+            self.sources = []
+        if self.error is not None:
+            raise self.error
+
+    def wait(self, timeout: float) -> None:
+        """Overlap mode: block until the CPU copies are done (bounded), or order the current
+        CUDA stream after the copies; raise the staging's error, if any."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+            self.check()
+        elif not self._done.wait(timeout):
+            raise SaveTimeoutError(f"staging did not finish within {timeout:g} s")
+        if self.error is not None:
+            raise self.error
+
+    def synchronize(self) -> None:
+        """Background (submit thread): block until the copies are done, then check them."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.check()
+        else:
+            self._done.wait()
+            if self.error is not None:
+                raise self.error
+
+    @property
+    def immediate(self) -> bool:
+        """Nothing to wait for: the copies are done and checked."""
+        return self.event is None and self._done.is_set() and self.error is None and not self.sources
 
 
 class BufferReader:

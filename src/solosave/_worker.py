@@ -38,7 +38,18 @@ from multiprocessing.connection import Connection
 from ._coordinate import DistChannel
 from ._engine import Engine
 from ._errors import WorkerDiedError
-from ._protocol import ErrorKind, JobOutcome, Mode, SaveJob, SaveKind, WorkerEvent, WorkerMessage, WorkerSetup
+from ._protocol import (
+    ErrorKind,
+    JobOutcome,
+    Mode,
+    SaveJob,
+    SaveKind,
+    WorkerEvent,
+    WorkerMessage,
+    WorkerSetup,
+    compact_job,
+    expand_job,
+)
 
 log = logging.getLogger("solosave")
 _POLL = 0.05
@@ -84,13 +95,15 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
                               timeout=spec.timeout_s)
         engine = Engine(channel, setup.settings, setup.writer)
         conn.send(WorkerMessage(WorkerEvent.READY, os.getpid()))
+        job = None
         while True:
             try:
-                job = conn.recv()
+                msg = conn.recv()
             except EOFError:  # the trainer exited without close(): nothing left to do
                 break
-            if job is None:
+            if msg is None:
                 break
+            job = expand_job(job, msg)
             conn.send(WorkerMessage(WorkerEvent.OUTCOME, engine.run(job)))
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, then exit
         try:
@@ -136,13 +149,16 @@ class ProcessTransport:
         self._fatal: str | None = None
         #: Outcomes read by ``close()`` after the trainer stopped waiting.
         self.leftover: list[JobOutcome] = []
+        self._last: SaveJob | None = None
         self._conn.send(setup)
 
     def submit(self, job: SaveJob) -> None:
+        """Send ``job`` (as a :class:`JobDelta` when it has the last job's structure)."""
         self._check_alive()
         try:
             with self._send_lock:
-                self._conn.send(job)
+                self._conn.send(compact_job(self._last, job))
+                self._last = job
         except OSError as e:  # broken pipe: the worker is gone
             self._check_alive()
             raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) is unreachable: {e}") from e

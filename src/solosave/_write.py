@@ -14,6 +14,7 @@ layout (see :func:`bytes_slot`).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import json
@@ -21,7 +22,7 @@ import os
 import pickle
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -29,6 +30,7 @@ import torch
 
 from ._format import CHECKSUM_FORMAT, ItemKey, checksum_path
 from ._protocol import WriteResult
+from ._records import FrameCache, raw_bytes, record_crc
 
 
 class _CrcStream:
@@ -131,9 +133,12 @@ class Record:
     payload: bytes | None = None
     #: Pad the record with zeros up to this length (BYTES records only); ``None``: no padding.
     pad_to: int | None = None
+    #: The zip CRC32 of the tensor's bytes, being computed ahead by :meth:`FileWriter.write_file`
+    #: on a helper thread while earlier records are written (``None``: computed when written).
+    data_crc: Future[int] | None = None
 
 
-def _write_error(stream: BinaryIO, record: Record, e: RuntimeError) -> OSError:
+def _write_error(stream: BinaryIO, record: Record, e: Exception) -> OSError:
     """The ``OSError`` behind a failed ``torch.save`` into ``stream`` (a full disk shows up as
     ``inline_container.cc ... unexpected pos``)."""
     need = record.tensor.numel() * record.tensor.element_size() if record.tensor is not None else 0
@@ -144,7 +149,8 @@ def _write_error(stream: BinaryIO, record: Record, e: RuntimeError) -> OSError:
                            f"({need} bytes; {st.f_bavail * st.f_frsize} bytes free)")
     except (OSError, AttributeError, ValueError):
         pass
-    return OSError(errno.EIO, f"writing {record.key[0]!r} failed: {e}")
+    code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
+    return OSError(code, f"writing {record.key[0]!r} failed: {e}")
 
 
 class FileWriter:
@@ -168,15 +174,36 @@ class FileWriter:
         return open(path, "wb")  # noqa: SIM115 - closed in write_file
 
     def write_record(self, stream: BinaryIO, record: Record) -> None:
+        """Write one record at the stream's position. A tensor record is ``torch.save``'s
+        archive of the tensor, written from a cached frame around the staged bytes (see
+        ``_records.py``; byte-identical) or by ``torch.save`` itself where no frame fits."""
         if record.payload is not None:
             stream.write(record.payload)
             return
         if record.tensor is None:
             raise ValueError(f"internal: record {record.key[0]!r} has neither a tensor nor a payload")
+        frame = self._frame_cache().get(record.tensor)
         try:
-            torch.save(record.tensor, stream)
-        except RuntimeError as e:  # torch's zip writer hides the OSError of a failed write
+            if frame is None:
+                torch.save(record.tensor, stream)
+                return
+            data = raw_bytes(record.tensor)
+            stream.write(frame.prefix)
+            stream.write(data)
+            crc = record.data_crc.result() if record.data_crc is not None else record_crc(data)
+            stream.write(frame.suffix_with(crc))
+        except (RuntimeError, OSError) as e:  # torch's zip writer hides the OSError of a failed write
             raise _write_error(stream, record, e) from e
+
+    def _frame_cache(self) -> FrameCache:
+        cache = self.__dict__.get("_frames")
+        if cache is None:
+            cache = self.__dict__["_frames"] = FrameCache()
+        return cache
+
+    def __getstate__(self) -> dict:
+        """Pickled (to the worker process) without the frame cache, which is rebuilt there."""
+        return {k: v for k, v in self.__dict__.items() if k != "_frames"}
 
     def close(self, stream: BinaryIO) -> None:
         stream.flush()
@@ -193,8 +220,9 @@ class FileWriter:
         stream: BinaryIO = _CrcStream(raw) if self.checksums else raw  # type: ignore[assignment]
         results: list[WriteResult] = []
         crcs: list[int] = []
+        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="solosave-crc")
         try:
-            for rec in records:
+            for rec in self._crc_ahead(records, ahead):
                 offset = stream.tell()
                 if rec.payload is not None and rec.pad_to is not None:
                     rec = Record(rec.key, payload=padded_payload(rec.payload, rec.pad_to) or rec.payload)
@@ -205,10 +233,20 @@ class FileWriter:
         except BaseException:
             raw.close()
             raise
+        finally:
+            ahead.shutdown(wait=True, cancel_futures=True)
         self.close(raw)
         if self.checksums:
             self._write_checksums(sidecar, results, crcs)
         return results
+
+    def _crc_ahead(self, records: Sequence[Record], pool: ThreadPoolExecutor) -> list[Record]:
+        """The records, each framed tensor with its CRC32 submitted to ``pool`` (in file order:
+        the writer thread rarely waits, zlib releases the GIL)."""
+        frames = self._frame_cache()
+        return [dataclasses.replace(r, data_crc=pool.submit(record_crc, raw_bytes(r.tensor)))
+                if r.tensor is not None and r.data_crc is None and frames.get(r.tensor) is not None else r
+                for r in records]
 
     def _write_checksums(self, sidecar: str, results: list[WriteResult], crcs: list[int]) -> None:
         doc = {"format": CHECKSUM_FORMAT,

@@ -1,4 +1,4 @@
-"""The ``solosave`` command line: ``train``, ``inspect``, ``verify``, ``prepare``.
+"""The ``solosave`` command line: ``train``, ``inspect``, ``verify``, ``prepare``, ``export``.
 
 Every subcommand runs in one process without torch.distributed (``train`` launches its own
 ranks). Errors a user can fix (a missing path, a directory without ``.metadata``, a corrupt or
@@ -110,6 +110,42 @@ def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, pro
     return 0 if report.ok else 1
 
 
+def _export(args: argparse.Namespace) -> int:
+    from ._export import export
+    from ._progress import ProgressBar
+
+    bars: list[ProgressBar] = []
+
+    def advance(n: int, total: int) -> None:
+        if not bars:  # sized on the first read; by default drawn only for large exports
+            shown = args.progress if args.progress is not None else total >= (64 << 20)
+            bars.append(ProgressBar(total / 1e6, "export", unit="MB", enabled=shown))
+        bars[0].update(n / 1e6)
+
+    try:
+        report = export(args.path, args.out, format=args.format, max_shard_size=args.max_shard_size,
+                        prefix=args.prefix, overwrite=args.overwrite, progress=advance)
+    except (ImportError, KeyError, ValueError) as e:
+        print(f"solosave export: error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+    finally:
+        for bar in bars:
+            bar.close()
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    print(f"{report.out}: {report.tensors} tensors ({report.total_size} bytes)"
+          + (f" and {report.values} other values" if report.values else "")
+          + f" from {report.checkpoint}, {report.format} in {len(report.files)} file(s)")
+    for name in report.files + ((report.index,) if report.index else ()):
+        print(f"  {name}")
+    if report.skipped:
+        print(f"{len(report.skipped)} value(s) not exported:")
+        for key, reason in report.skipped:
+            print(f"  - {key}: {reason}")
+    return 0
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -120,10 +156,22 @@ def _positive(text: str) -> int:
     return n
 
 
+def _size(text: str) -> int:
+    from ._export import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="solosave",
         description="Asynchronous DCP checkpoints whose steady-state saves need one 8-byte all_reduce.")
+    parser.add_argument("--version", action="version", version=f"solosave {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="the main job: train a small GPT on N local ranks with async "
                        "solosave checkpoints (see `solosave train --help`)", add_help=False)
@@ -145,6 +193,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="prepared-metadata file to write")
     p.add_argument("--world-size", type=_positive, default=None, help="record the run's world size (>= 1)")
     p.add_argument("--workers", type=_positive, default=None, help="record the run's files per rank (>= 1)")
+    e = sub.add_parser("export", help="write a checkpoint's full (unsharded) tensors as safetensors or a "
+                       "torch.save file, for evaluation and serving")
+    e.add_argument("path", help="checkpoint directory")
+    e.add_argument("out", help="directory to write (new or empty, unless --overwrite)")
+    e.add_argument("--format", choices=("safetensors", "torch"), default="safetensors",
+                   help="safetensors (tensors only; other values are listed) or torch (torch.save, all "
+                   "values); default: safetensors")
+    e.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
+                   help="split into model-0000i-of-0000N files plus an index above this size, e.g. 5GB "
+                   "(default: 5GB for safetensors, one file for torch)")
+    e.add_argument("--prefix", default="", help="export only the keys starting with this prefix, "
+                   "written without it (e.g. model.)")
+    e.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
+    shown = e.add_mutually_exclusive_group()
+    shown.add_argument("--progress", dest="progress", action="store_const", const=True, default=None,
+                       help="always draw a progress bar (default: only for exports over 64 MB)")
+    shown.add_argument("--no-progress", dest="progress", action="store_const", const=False, help="no progress bar")
+    e.add_argument("--json", action="store_true", help="machine-readable report")
     return parser
 
 
@@ -162,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(args.path, args.json)
         if args.command == "prepare":
             return _prepare(args.src, args.out, args.world_size, args.workers)
+        if args.command == "export":
+            return _export(args)
         if args.command == "verify":
             return _verify(args.path, args.prepared, args.json, not args.no_checksums,
                            not args.no_progress)

@@ -1,0 +1,230 @@
+"""Tensor records written from raw bytes, identical in form to ``torch.save`` (background worker).
+
+A DCP tensor record is a ``torch.save`` archive (a zip) of one tensor. Per record, ``torch.save``
+pickles the tensor, writes a handful of small zip entries, copies the storage bytes and computes
+the zip's CRC32 of them. For a given dtype and shape, everything but the storage bytes and the
+two CRC fields is the same on every save. :func:`frame_for` builds that frame once per
+``(dtype, shape)`` by running ``torch.save`` under ``torch.serialization.skip_data`` into a sink
+that keeps only the metadata bytes (no storage is read or allocated). Writing a record is then
+``prefix``, the staged bytes straight from the staging buffer, and ``suffix`` with the CRC32
+patched in: the byte layout of ``torch.save``'s own record, so stock ``torch.load`` / DCP read it
+(``tests/test_records.py`` compares the bytes).
+
+The one difference: the archive's ``.data/serialization_id`` entry (an opaque id that
+``torch.load`` only reports to its logging hooks) is the template's, not one derived from the
+data. Tensors whose storage is not exactly their bytes (views, non-contiguous, empty) and
+torch builds without ``skip_data`` take ``torch.save`` itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_CD_SIG = b"PK\x01\x02"
+_EOCD_SIG = b"PK\x05\x06"
+_DESC_SIG = b"PK\x07\x08"
+
+
+_MASK = (1 << 64) - 1
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    """c10::hash_combine on 64 bits (how ``torch.save`` folds its records' CRC32s into the
+    archive's serialization id)."""
+    return (seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _MASK) + (seed >> 2)) & _MASK)) & _MASK
+
+
+@dataclass(frozen=True, slots=True)
+class TensorFrame:
+    """The bytes of a ``torch.save`` record around the storage bytes of one (dtype, shape).
+
+    ``suffix_with(crc)`` patches what depends on the storage bytes: the data entry's CRC32 (in its
+    data descriptor and its central directory entry) and the serialization id (the CRC32s of
+    the archive's entries folded in order, written as 20 decimal digits), with that entry's own
+    CRC32s."""
+
+    prefix: bytes
+    suffix: bytes
+    nbytes: int
+    #: Offsets in ``suffix`` of the data entry's CRC32 fields.
+    crc_at: tuple[int, ...]
+    #: The CRC32s of the entries that the serialization id folds, in order; ``None`` marks the
+    #: data entry.
+    chain: tuple[int | None, ...]
+    #: Offset in ``suffix`` of the id's last 20 digits, and of the id entry's CRC32 fields.
+    id_at: int
+    id_crc_at: tuple[int, ...]
+
+    def suffix_with(self, crc: int) -> bytes:
+        s = bytearray(self.suffix)
+        for at in self.crc_at:
+            struct.pack_into("<I", s, at, crc)
+        folded = 0
+        for c in self.chain:
+            folded = _hash_combine(folded, crc if c is None else c)
+        s[self.id_at:self.id_at + 20] = b"%020d" % folded
+        id_start = self.id_at - 20
+        id_crc = zlib.crc32(bytes(s[id_start:self.id_at + 20]))
+        for at in self.id_crc_at:
+            struct.pack_into("<I", s, at, id_crc)
+        return bytes(s)
+
+    @property
+    def length(self) -> int:
+        return len(self.prefix) + self.nbytes + len(self.suffix)
+
+
+class _Sink:
+    """A seekable write-only file that keeps what is written and where (no storage bytes under
+    ``skip_data``: the writer seeks over them)."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.end = 0
+        self.parts: list[tuple[int, bytes]] = []
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        self.parts.append((self.pos, data))
+        self.pos += len(data)
+        self.end = max(self.end, self.pos)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.end + pos
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+
+def _stitch(parts: list[tuple[int, bytes]], start: int, stop: int) -> bytes:
+    out = bytearray(stop - start)
+    for pos, data in parts:
+        if start <= pos < stop:
+            out[pos - start:pos - start + len(data)] = data
+    return bytes(out)
+
+
+def build_frame(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFrame | None:
+    """The frame of a contiguous ``dtype`` tensor of ``shape``, or ``None`` where it cannot be
+    built (no ``skip_data`` in this torch, an empty tensor, an archive of unexpected form)."""
+    skip = getattr(torch.serialization, "skip_data", None)
+    template = torch.empty(shape, dtype=dtype)  # untouched pages: nothing is read or copied
+    nbytes = template.numel() * template.element_size()
+    if skip is None or nbytes == 0:
+        return None
+    sink = _Sink()
+    with skip():
+        torch.save(template, sink)
+    holes = _holes(sink)
+    if len(holes) != 1 or holes[0][1] - holes[0][0] != nbytes:
+        return None
+    start, stop = holes[0]
+    prefix, suffix = _stitch(sink.parts, 0, start), _stitch(sink.parts, stop, sink.end)
+    try:
+        return _frame(prefix, suffix, nbytes, stop)
+    except (ValueError, struct.error):  # an archive of a form this code does not know
+        return None
+
+
+def _holes(sink: _Sink) -> list[tuple[int, int]]:
+    holes, covered = [], 0
+    for pos, data in sorted(sink.parts):
+        if pos > covered:
+            holes.append((covered, pos))
+        covered = max(covered, pos + len(data))
+    return holes
+
+
+def _central_directory(suffix: bytes) -> list[tuple[bytes, int, int, int]]:
+    """``(name, crc32, local header offset, entry offset in suffix)`` of every entry."""
+    eocd = suffix.rfind(_EOCD_SIG)
+    pos = suffix.find(_CD_SIG)
+    if eocd < 0 or pos < 0:
+        raise ValueError("no central directory")
+    out = []
+    while pos < eocd and suffix[pos:pos + 4] == _CD_SIG:
+        crc, = struct.unpack_from("<I", suffix, pos + 16)
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", suffix, pos + 28)
+        local, = struct.unpack_from("<I", suffix, pos + 42)
+        name = suffix[pos + 46:pos + 46 + name_len]
+        if local == 0xFFFFFFFF:  # zip64: the offset is in the extra field
+            local = _zip64_offset(suffix[pos + 46 + name_len:pos + 46 + name_len + extra_len])
+        out.append((name, crc, local, pos))
+        pos += 46 + name_len + extra_len + comment_len
+    return out
+
+
+def _zip64_offset(extra: bytes) -> int:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            return struct.unpack_from("<Q", extra, pos + 4 + size - 8)[0]
+        pos += 4 + size
+    raise ValueError("zip64 offset missing")
+
+
+def _descriptor_crc(suffix: bytes, at: int) -> int:
+    return at + 4 if suffix[at:at + 4] == _DESC_SIG else at
+
+
+def _frame(prefix: bytes, suffix: bytes, nbytes: int, base: int) -> TensorFrame:
+    """Locate in ``suffix`` (archive offset ``base``, right after the storage bytes) what
+    :meth:`TensorFrame.suffix_with` patches."""
+    entries = _central_directory(suffix)
+    data = [e for e in entries if e[0].endswith(b"/data/0")]
+    ident = [e for e in entries if e[0].endswith(b"/.data/serialization_id")]
+    if len(data) != 1 or len(ident) != 1 or ident[0] is not entries[-1]:
+        raise ValueError("unexpected entries")
+    id_local = ident[0][2] - base
+    if id_local < 0 or suffix[id_local:id_local + 4] != b"PK\x03\x04":
+        raise ValueError("serialization id entry not after the data")
+    name_len, extra_len = struct.unpack_from("<HH", suffix, id_local + 26)
+    id_data = id_local + 30 + name_len + extra_len
+    if not suffix[id_data:id_data + 40].isdigit():
+        raise ValueError("serialization id is not 40 digits")
+    chain = tuple(None if e is data[0] else e[1] for e in entries[:-1])
+    return TensorFrame(prefix, suffix, nbytes, crc_at=(_descriptor_crc(suffix, 0), data[0][3] + 16),
+                       chain=chain, id_at=id_data + 20,
+                       id_crc_at=(_descriptor_crc(suffix, id_data + 40), ident[0][3] + 16))
+
+
+class FrameCache:
+    """Frames by ``(dtype, shape)``, built on first use (one per distinct tensor shape)."""
+
+    def __init__(self) -> None:
+        self._frames: dict[tuple[torch.dtype, tuple[int, ...]], TensorFrame | None] = {}
+
+    def get(self, tensor: torch.Tensor) -> TensorFrame | None:
+        """The frame for ``tensor``, or ``None`` if it must go through ``torch.save``."""
+        if not (tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.storage_offset() == 0):
+            return None
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0 or tensor.untyped_storage().nbytes() != nbytes:
+            return None
+        key = (tensor.dtype, tuple(tensor.shape))
+        if key not in self._frames:
+            self._frames[key] = build_frame(*key)
+        return self._frames[key]
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (valid while ``tensor`` lives)."""
+    n = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
+
+
+def record_crc(data: memoryview) -> int:
+    """The zip CRC32 of a record's storage bytes (releases the GIL on large buffers)."""
+    return zlib.crc32(data)

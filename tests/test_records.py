@@ -1,0 +1,80 @@
+"""Tensor records from frames (``_records.py``): byte-identical to ``torch.save``, loadable by
+``torch.load``, valid zips; the cases a frame cannot serve go through ``torch.save``."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+
+import pytest
+import torch
+
+from solosave._records import FrameCache, build_frame, raw_bytes, record_crc
+from solosave._write import FileWriter, Record
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
+          torch.int32, torch.int64, torch.bool, torch.complex64]
+SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (1 << 18,), (5, 1, 0 + 3)]
+
+
+def _value(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash((str(dtype), shape)) % 1000)
+    return (torch.randn(shape, generator=g) * 50).to(dtype)
+
+
+def _torch_save(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def _framed(t: torch.Tensor) -> bytes:
+    frame = FrameCache().get(t)
+    assert frame is not None
+    data = raw_bytes(t)
+    return frame.prefix + bytes(data) + frame.suffix_with(record_crc(data))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_a_framed_record_is_byte_identical_to_torch_save(dtype, shape):
+    t = _value(dtype, shape)
+    mine = _framed(t)
+    assert mine == _torch_save(t)
+    back = torch.load(io.BytesIO(mine), weights_only=True)
+    assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+    assert zipfile.ZipFile(io.BytesIO(mine)).testzip() is None  # every CRC32 right
+
+
+def test_the_frame_of_one_shape_serves_every_value_of_it():
+    cache = FrameCache()
+    a, b = torch.randn(64, 3), torch.randn(64, 3)
+    assert cache.get(a) is cache.get(b)
+    assert _framed(b) == _torch_save(b)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(20.0)[5:9],              # a view: torch.save writes the whole storage
+    lambda: torch.arange(12.0).reshape(3, 4).t(),  # non-contiguous
+    lambda: torch.empty(0),                        # no bytes
+], ids=["view", "transposed", "empty"])
+def test_tensors_a_frame_cannot_serve_go_through_torch_save(make, tmp_path):
+    t = make()
+    assert FrameCache().get(t) is None
+    results = FileWriter(fsync=False).write_file(str(tmp_path), "f", [Record(("k", None), tensor=t)])
+    data = (tmp_path / "f").read_bytes()
+    assert data == _torch_save(t) and results[0][3] == len(data)
+
+
+def test_the_writer_writes_framed_records_with_crcs_computed_ahead(tmp_path):
+    ts = [_value(torch.float32, (1000,)), _value(torch.bfloat16, (3, 7)), _value(torch.int64, (5,))]
+    recs = [Record((f"t{i}", None), tensor=t) for i, t in enumerate(ts)] + [Record(("b", None), payload=b"xyz")]
+    results = FileWriter(fsync=False, checksums=True).write_file(str(tmp_path), "f", recs)
+    data = (tmp_path / "f").read_bytes()
+    for (key, _, off, length), t in zip(results, ts):
+        assert data[off:off + length] == _torch_save(t), key
+    assert data[results[-1][2]:] == b"xyz"
+
+
+def test_build_frame_refuses_an_empty_tensor():
+    assert build_frame(torch.float32, (0, 3)) is None
