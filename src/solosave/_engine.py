@@ -130,6 +130,7 @@ class Engine:
         os.makedirs(job.directory, exist_ok=True)
         unpublish(job.directory)  # never leave an old .metadata next to new data files
         todo = [(name, [self._record(job, it, pad) for it in items]) for name, items in files]
+        self.reader.keep_only([it for _, items in files for it in items])
         try:
             return self.writer.write_files(job.directory, todo)
         finally:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -228,3 +229,43 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
 def record_crc(data: memoryview) -> int:
     """The zip CRC32 of a record's storage bytes (releases the GIL on large buffers)."""
     return zlib.crc32(data)
+
+
+class CrcAhead:
+    """The CRC32s of a file's framed records, computed in file order by one helper thread while
+    the writer thread writes earlier records (zlib releases the GIL), so the writer rarely waits.
+
+    ``get(i)`` blocks until record ``i``'s CRC is known; ``close()`` stops the thread (bounded:
+    it finishes the record it is on). One per ``write_file`` call."""
+
+    def __init__(self, views: list[memoryview | None]) -> None:
+        self._views = views
+        self._crcs: list[int] = [0] * len(views)
+        self._done = 0
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="solosave-crc", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for i, view in enumerate(self._views):
+            if self._stop:
+                break
+            if view is not None:
+                self._crcs[i] = zlib.crc32(view)
+            with self._cond:
+                self._done = i + 1
+                self._cond.notify()
+
+    def get(self, i: int) -> int:
+        if self._done <= i:
+            with self._cond:
+                while self._done <= i:
+                    if not self._cond.wait(timeout=60.0) and not self._thread.is_alive():
+                        raise RuntimeError("internal: the CRC thread ended early")
+        return self._crcs[i]
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self._views = []

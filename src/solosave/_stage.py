@@ -387,21 +387,36 @@ class BufferReader:
     def __init__(self) -> None:
         self._name: str | None = None
         self._mmap: mmap.mmap | None = None
+        #: Views made for the items of the current mapping, by item identity (a job of an
+        #: unchanged structure brings the same item objects): made once, not per save.
+        self._views: dict[int, tuple[StagedItem, torch.Tensor]] = {}
 
     def tensor(self, staged: StagedSave, item: StagedItem) -> torch.Tensor:
         """A tensor over exactly this item's bytes (its storage is the item, nothing more)."""
-        spec = item.spec
-        dtype = dtype_from_name(spec.dtype or "")
-        if spec.nbytes == 0:
-            return torch.empty(spec.sizes or (), dtype=dtype)
         if staged.buffer != self._name or self._mmap is None:
             self.close()
             self._mmap = _map(staged.buffer or "", staged.buffer_size)
             self._name = staged.buffer
+        hit = self._views.get(id(item))
+        if hit is not None and hit[0] is item:
+            return hit[1]
+        spec = item.spec
+        dtype = dtype_from_name(spec.dtype or "")
+        if spec.nbytes == 0:
+            return torch.empty(spec.sizes or (), dtype=dtype)
         flat = torch.frombuffer(self._mmap, dtype=torch.uint8, count=spec.nbytes, offset=item.offset)
-        return flat.view(dtype).view(spec.sizes or ())
+        view = flat.view(dtype).view(spec.sizes or ())
+        self._views[id(item)] = (item, view)
+        return view
+
+    def keep_only(self, items: list[StagedItem]) -> None:
+        """Forget the views of items other than ``items`` (bounded: one structure's views)."""
+        if len(self._views) > len(items):
+            keep = {id(it) for it in items}
+            self._views = {k: v for k, v in self._views.items() if k in keep}
 
     def close(self) -> None:
+        self._views = {}
         if self._mmap is not None:
             try:
                 self._mmap.close()

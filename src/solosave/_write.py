@@ -14,15 +14,15 @@ layout (see :func:`bytes_slot`).
 
 from __future__ import annotations
 
-import dataclasses
 import errno
+import functools
 import io
 import json
 import os
 import pickle
 import zlib
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -30,7 +30,7 @@ import torch
 
 from ._format import CHECKSUM_FORMAT, ItemKey, checksum_path
 from ._protocol import WriteResult
-from ._records import FrameCache, raw_bytes, record_crc
+from ._records import CrcAhead, FrameCache, raw_bytes, record_crc
 
 
 class _CrcStream:
@@ -133,9 +133,6 @@ class Record:
     payload: bytes | None = None
     #: Pad the record with zeros up to this length (BYTES records only); ``None``: no padding.
     pad_to: int | None = None
-    #: The zip CRC32 of the tensor's bytes, being computed ahead by :meth:`FileWriter.write_file`
-    #: on a helper thread while earlier records are written (``None``: computed when written).
-    data_crc: Future[int] | None = None
 
 
 def _write_error(stream: BinaryIO, record: Record, e: Exception) -> OSError:
@@ -173,10 +170,11 @@ class FileWriter:
     def open(self, path: str) -> BinaryIO:
         return open(path, "wb")  # noqa: SIM115 - closed in write_file
 
-    def write_record(self, stream: BinaryIO, record: Record) -> None:
+    def write_record(self, stream: BinaryIO, record: Record, crc: Callable[[], int] | None = None) -> None:
         """Write one record at the stream's position. A tensor record is ``torch.save``'s
         archive of the tensor, written from a cached frame around the staged bytes (see
-        ``_records.py``; byte-identical) or by ``torch.save`` itself where no frame fits."""
+        ``_records.py``; byte-identical) or by ``torch.save`` itself where no frame fits.
+        ``crc``: gives the CRC32 of the tensor's bytes (computed ahead), else computed here."""
         if record.payload is not None:
             stream.write(record.payload)
             return
@@ -190,8 +188,7 @@ class FileWriter:
             data = raw_bytes(record.tensor)
             stream.write(frame.prefix)
             stream.write(data)
-            crc = record.data_crc.result() if record.data_crc is not None else record_crc(data)
-            stream.write(frame.suffix_with(crc))
+            stream.write(frame.suffix_with(crc() if crc is not None else record_crc(data)))
         except (RuntimeError, OSError) as e:  # torch's zip writer hides the OSError of a failed write
             raise _write_error(stream, record, e) from e
 
@@ -220,13 +217,15 @@ class FileWriter:
         stream: BinaryIO = _CrcStream(raw) if self.checksums else raw  # type: ignore[assignment]
         results: list[WriteResult] = []
         crcs: list[int] = []
-        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="solosave-crc")
+        frames = self._frame_cache()
+        ahead = CrcAhead([raw_bytes(r.tensor) if r.tensor is not None and frames.get(r.tensor) is not None
+                          else None for r in records])
         try:
-            for rec in self._crc_ahead(records, ahead):
+            for i, rec in enumerate(records):
                 offset = stream.tell()
                 if rec.payload is not None and rec.pad_to is not None:
                     rec = Record(rec.key, payload=padded_payload(rec.payload, rec.pad_to) or rec.payload)
-                self.write_record(stream, rec)
+                self.write_record(stream, rec, functools.partial(ahead.get, i))
                 results.append((rec.key, relative_path, offset, stream.tell() - offset))
                 if self.checksums:
                     crcs.append(stream.take())  # type: ignore[attr-defined]
@@ -234,19 +233,11 @@ class FileWriter:
             raw.close()
             raise
         finally:
-            ahead.shutdown(wait=True, cancel_futures=True)
+            ahead.close()
         self.close(raw)
         if self.checksums:
             self._write_checksums(sidecar, results, crcs)
         return results
-
-    def _crc_ahead(self, records: Sequence[Record], pool: ThreadPoolExecutor) -> list[Record]:
-        """The records, each framed tensor with its CRC32 submitted to ``pool`` (in file order:
-        the writer thread rarely waits, zlib releases the GIL)."""
-        frames = self._frame_cache()
-        return [dataclasses.replace(r, data_crc=pool.submit(record_crc, raw_bytes(r.tensor)))
-                if r.tensor is not None and r.data_crc is None and frames.get(r.tensor) is not None else r
-                for r in records]
 
     def _write_checksums(self, sidecar: str, results: list[WriteResult], crcs: list[int]) -> None:
         doc = {"format": CHECKSUM_FORMAT,
