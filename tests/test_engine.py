@@ -216,6 +216,21 @@ def test_a_replicated_item_lost_by_its_writer_heals_on_the_next_save(ranks):
     assert kinds(rk.save(lambda r: state(r, lose=writer), "c3")) == [SaveKind.REUSE] * 2
 
 
+def test_with_stage_replicas_a_replicated_item_lost_by_its_writer_is_saved_in_the_same_save(ranks, tmp_path):
+    rk = ranks(2, assume_constant_structure=True, stage_replicas=True)
+    rk.save(state, "c0")
+    writer = next(r for r in range(2) if any(p.key[0] == "w" for p in rk.sessions[r].prepared.rank_files(r)[0][1]))
+    outs = rk.save(lambda r: state(r, lose=writer), "c1")
+    assert all(o.ok and o.published for o in outs), [o.failures for o in outs]
+    assert kinds(outs) == [SaveKind.FALLBACK] * 2
+    got = {"w": torch.zeros(64)}
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(got, checkpoint_id=str(tmp_path / "c1"), no_dist=True)
+    assert torch.equal(got["w"], torch.arange(64, dtype=torch.float32))
+    assert kinds(rk.save(lambda r: state(r, lose=writer), "c2")) == [SaveKind.REUSE] * 2
+
+
 def test_a_directory_name_that_is_not_utf8_saves_and_loads(ranks, tmp_path, case_log):
     import os
 

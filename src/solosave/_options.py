@@ -85,6 +85,11 @@ class CheckpointerOptions:
     staging_dir: str | None = option(None, flag="--ckpt-staging-dir", metavar="DIR", help=(
         "stage in memory-mapped files in DIR instead of /dev/shm (also $SOLOSAVE_STAGING_DIR); "
         "solosave falls back to the temporary directory by itself when /dev/shm is too small"))
+    stage_replicas: bool = option(False, flag="--ckpt-stage-replicas", help=(
+        "reuse mode: stage every replicated tensor this rank holds, not only those the prepared "
+        "layout has it write, so a drift fallback can reassign any of them in the same save (a "
+        "replicated tensor that vanished from its writer still gets saved). Costs up to "
+        "world-size times the stall under DDP; without it that one save fails and the next heals"))
     overlap_staging: bool = option(False, flag="--ckpt-overlap-staging", help=(
         "save() returns before the tensors are copied: the copies overlap the next forward/"
         "backward (a side CUDA stream, or a thread for CPU tensors), and the training loop must "

@@ -82,7 +82,7 @@ class SaveSession:
         reuse, to_stage = None, plan.owned
         if self.prepared is not None:
             reuse, to_stage = self.prepared.plan_reuse(plan, self.rank)
-            if self._stage_everything:
+            if self._stage_everything or self.options.stage_replicas:
                 to_stage = plan.owned
         out = (reuse, to_stage, tuple(plan.specs))
         self._reuse_cache = (*key, out)
