@@ -1,13 +1,16 @@
 """solosave.integrations: flags, validation, finding the newest published checkpoint, pruning."""
 
 import argparse
+import logging
 import os
+import threading
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from solosave import integrations as it
+from solosave._retention import remove_checkpoint
 
 
 def parse(*argv):
@@ -27,12 +30,12 @@ def make_ckpt(save_dir, step, published=True):
 def test_megatron_flag_names_and_defaults():
     a = parse("--save", "s", "--save-interval", 5, "--async-save", "--use-persistent-ckpt-worker",
               "--ckpt-metadata", "p.md", "--ckpt-metadata-create", "--ckpt-assume-constant-structure",
-              "--dist-ckpt-workers", 2, "--keep-last", 3, "--load", "s")
+              "--dist-ckpt-workers", 2, "--keep-last", 3, "--keep-every", 10, "--load", "s")
     assert (a.save, a.save_interval, a.async_save, a.persistent_worker, a.prepared_metadata,
             a.create_prepared_metadata, a.assume_constant_structure, a.workers,
-            a.keep_last, a.load) == ("s", 5, True, True, "p.md", True, True, 2, 3, "s")
+            a.keep_last, a.keep_every, a.load) == ("s", 5, True, True, "p.md", True, True, 2, 3, 10, "s")
     d = parse()
-    assert not d.async_save and d.workers == 1 and d.prepared_metadata is None
+    assert not d.async_save and d.workers == 1 and d.prepared_metadata is None and d.keep_every is None
     assert not d.persistent_worker  # Megatron's flags are opt-in; the API's default is True
     assert d.on_layout_drift == "fallback" and d.timeout == 600.0
     it.validate_checkpoint_args(d)
@@ -48,6 +51,7 @@ def test_megatron_flag_names_and_defaults():
     (["--save", "s", "--save-interval", "0"], "--save-interval must be >= 1"),
     (["--save-interval", "3"], "needs --save"),
     (["--save", "s", "--keep-last", "0"], "--keep-last must be >= 1"),
+    (["--save", "s", "--keep-last", "2", "--keep-every", "0"], "--keep-every must be >= 1"),
     (["--dist-ckpt-workers", "0"], "--dist-ckpt-workers must be >= 1"),
 ])
 def test_bad_flag_combinations_name_the_fix(argv, needle, capsys):
@@ -120,6 +124,7 @@ def test_manager_moves_latest_only_after_publication_and_prunes(tmp_path):
     for step in (1, 2, 3):
         m.save(step, {"step": step})
         m.poll()
+    assert m.wait_for_pruning(timeout=30)
     assert it.read_latest_marker(tmp_path) == "iter_0000003"
     assert [s for s, _ in it.published_checkpoints(tmp_path)] == [2, 3]
     m.save(4, {"step": 4})  # fails: latest stays, nothing newer is pruned, old good ones are kept
@@ -152,3 +157,101 @@ def test_existing_checkpoint_is_not_overwritten_by_default(tmp_path):
     m = it.CheckpointManager(tmp_path, Refusing())
     with pytest.raises(CheckpointExistsError):
         m.save(5, {"step": 5})
+
+
+def names(paths):
+    return [os.path.basename(p) for p in paths]
+
+
+def published_steps(save_dir):
+    return [s for s, _ in it.published_checkpoints(save_dir)]
+
+
+def test_prunable_never_the_newest_published_nor_newer_ones(tmp_path):
+    make_ckpt(tmp_path, 0, published=False)  # an old partial: pruned
+    for step in (1, 2, 3):
+        make_ckpt(tmp_path, step)
+    make_ckpt(tmp_path, 4, published=False)  # newer than the newest published (a save in flight): kept
+    assert names(it.prunable_checkpoints(tmp_path, 1)) == ["iter_0000000", "iter_0000001", "iter_0000002"]
+    assert names(it.prunable_checkpoints(tmp_path, 1, keep_every=2)) == ["iter_0000000", "iter_0000001"]
+    assert names(it.prunable_checkpoints(tmp_path, 1, below=2)) == ["iter_0000000", "iter_0000001"]
+    assert it.prunable_checkpoints(tmp_path, 5) == [it.checkpoint_dir(tmp_path, 0)]
+    assert it.prunable_checkpoints(tmp_path, None) == [] and it.prunable_checkpoints(tmp_path / "none", 1) == []
+
+
+class GatedRemover:
+    """The default remover behind a gate: each deletion waits (bounded) for ``release``, so a test
+    holds a deletion in progress for as long as it wants. ``inside`` is set while one waits."""
+
+    def __init__(self):
+        self.inside = threading.Event()
+        self.release = threading.Event()
+        self.removed = []
+
+    def __call__(self, path):
+        self.inside.set()
+        try:
+            if not self.release.wait(60):
+                raise TimeoutError("the test never released the deletion")
+        finally:
+            self.inside.clear()
+        remove_checkpoint(path)
+        self.removed.append(os.path.basename(path))
+
+
+def test_prune_runs_in_the_background_and_finish_waits_for_it(tmp_path):
+    gate = GatedRemover()
+    m = it.CheckpointManager(tmp_path, FakeCheckpointer(), keep_last=1, remover=gate)
+    for step in (1, 2, 3):  # publishing step 2 starts deleting step 1
+        m.save(step, {"step": step})
+        m.poll()
+    assert gate.inside.wait(30)
+    # save() and poll() came back while the deletion of step 1 is held in the remover
+    assert gate.inside.is_set() and os.path.isdir(it.checkpoint_dir(tmp_path, 1))
+    assert not m.wait_for_pruning(timeout=0)
+    gate.release.set()
+    m.finish()
+    assert gate.removed == ["iter_0000001", "iter_0000002"] and published_steps(tmp_path) == [3]
+    assert m.checkpointer.closed
+
+
+def test_finish_bounds_its_wait_for_deletions(tmp_path, caplog):
+    gate = GatedRemover()
+    m = it.CheckpointManager(tmp_path, FakeCheckpointer(), keep_last=1, remover=gate)
+    for step in (1, 2, 3):
+        m.save(step, {"step": step})
+    assert gate.inside.wait(30)
+    with caplog.at_level(logging.WARNING, logger="solosave"):
+        m.finish(timeout=0.2)  # the deletion is still held: finish returns, says so
+    assert m.checkpointer.closed and "still being deleted" in caplog.text
+    gate.release.set()
+    assert m.wait_for_pruning(timeout=30) and published_steps(tmp_path) == [3]
+
+
+def test_failed_deletion_is_logged_and_skipped(tmp_path, caplog):
+    def remover(path):
+        if path.endswith("iter_0000001"):
+            raise PermissionError(13, "Permission denied", path)
+        remove_checkpoint(path)
+
+    m = it.CheckpointManager(tmp_path, FakeCheckpointer(), keep_last=1, remover=remover)
+    with caplog.at_level(logging.WARNING, logger="solosave"):
+        for step in (1, 2, 3, 4):
+            m.save(step, {"step": step})
+            m.poll()
+        m.finish()
+    assert published_steps(tmp_path) == [1, 4]  # 1 could not be deleted; 2 and 3 were, training went on
+    assert "could not delete old checkpoint" in caplog.text and "Permission denied" in caplog.text
+    assert "iter_0000001" in caplog.text and not m.failures
+
+
+def test_keep_every_keeps_archival_checkpoints(tmp_path):
+    m = it.CheckpointManager(tmp_path, FakeCheckpointer(fail_steps={8}), keep_last=2, keep_every=4)
+    for step in range(1, 11):
+        m.save(step, {"step": step})
+        m.poll()
+    m.finish()
+    assert published_steps(tmp_path) == [4, 9, 10]
+    assert not os.path.exists(it.checkpoint_dir(tmp_path, 8))  # a failed save at a multiple is no archive
+    with pytest.raises(ValueError, match="keep_every must be >= 1"):
+        it.CheckpointManager(tmp_path, FakeCheckpointer(), keep_last=1, keep_every=0)

@@ -8,9 +8,8 @@ import threading
 import pytest
 import torch
 
-from solosave import SaveTimeoutError, StagingRaceError
+from solosave import SaveTimeoutError, StagingRaceError, _stage
 from solosave._plan import plan_local
-from solosave import _stage
 from solosave._stage import BufferReader, Stager
 
 

@@ -10,7 +10,7 @@ Which ranks call what, in which order::
     resume = find_latest_checkpoint(args.load)               # every rank (reads the filesystem)
     ckpt = checkpointer_from_args(args, resumed_from=resume) # every rank: collective once (setup)
     manager = CheckpointManager(args.save, ckpt, keep_last=args.keep_last,
-                                async_save=args.async_save)
+                                keep_every=args.keep_every, async_save=args.async_save)
     for step in ...:
         manager.poll()                                       # every step: never blocks, no collective
         if step % args.save_interval == 0:
@@ -20,7 +20,8 @@ Which ranks call what, in which order::
 A checkpoint of step ``s`` lives in ``<save>/iter_{s:07d}``. It counts as *published* once its
 ``.metadata`` exists: solosave writes that file last and atomically. Only then does the
 coordinator (rank 0) move ``<save>/latest`` (atomically) and prune old checkpoints
-(``keep_last``), never the newest published one and never one newer than it.
+(``keep_last``, sparing ``keep_every`` archival ones), on a background thread
+(:mod:`solosave._retention`), never the newest published one and never one newer than it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import dataclasses
 import logging
 import os
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +42,14 @@ from ._options import CheckpointerOptions, OptionError, add_option_flags, option
 from ._prepared import PreparedMetadata, load_prepared_metadata
 from ._publish import atomic_write
 from ._result import SaveResult
+from ._retention import Pruner, remove_checkpoint
 
 log = logging.getLogger("solosave")
 
 LATEST_FILE = "latest"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 AUTO = "auto"
+PRUNE_WAIT_S = 300.0  # finish(): how long it waits for deletions still running, unless told
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,6 +67,9 @@ class RunOptions:
         "return to training right after staging; the worker writes in the background"))
     keep_last: int | None = option(None, flag="--keep-last", metavar="N", help=(
         "keep only the N newest published checkpoints (never deletes the newest good one)"))
+    keep_every: int | None = option(None, flag="--keep-every", metavar="N", help=(
+        "also keep, forever, every published checkpoint whose step is a multiple of N (archival: "
+        "--keep-last never deletes them)"))
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
@@ -74,6 +79,9 @@ class RunOptions:
         if self.keep_last is not None and self.keep_last < 1:
             raise OptionError(f"{{keep_last}} must be >= 1 (the newest good checkpoint is always "
                               f"kept), got {self.keep_last}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise OptionError(f"{{keep_every}} must be >= 1 (steps that are multiples of it are kept), "
+                              f"got {self.keep_every}")
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -137,6 +145,27 @@ def find_latest_checkpoint(save_dir: str | os.PathLike | None) -> tuple[int, str
     return found[-1] if found else None
 
 
+def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, keep_every: int | None = None,
+                         below: int | None = None) -> list[str]:
+    """The checkpoint directories that retention deletes now, oldest first: every one (published
+    or partial) older than the newest published one, except the ``keep_last`` newest published
+    ones and the published ones whose step is a multiple of ``keep_every``. ``below``: consider
+    only steps below it (the manager passes the step it last published, so a save it started
+    since is never touched). Nothing without ``keep_last``."""
+    published = published_checkpoints(save_dir)
+    if keep_last is None or not published:
+        return []
+    limit = published[-1][0] if below is None else min(published[-1][0], below)
+    keep = {s for s, _ in published[-keep_last:]}
+    keep |= {s for s, _ in published if keep_every and s % keep_every == 0}
+    out = []
+    for name in os.listdir(save_dir):
+        m = _ITER_RE.match(name)
+        if m and int(m.group(1)) < limit and int(m.group(1)) not in keep:
+            out.append((int(m.group(1)), os.path.join(os.fspath(save_dir), name)))
+    return [path for _, path in sorted(out)]
+
+
 def prepared_for_resume(resumed_from: str, world_size: int, workers: int) -> PreparedMetadata | None:
     """The ``.metadata`` of ``resumed_from`` as prepared metadata, if it fits this run
     (``--ckpt-metadata auto``); ``None`` (with a log line saying why) otherwise."""
@@ -187,22 +216,35 @@ class CheckpointManager:
     A step whose directory already holds a published checkpoint raises
     :class:`~solosave.CheckpointExistsError` from :meth:`save` unless ``overwrite``.
     ``on_done`` is called on every rank with each :class:`PublishedSave`.
+
+    Retention (:func:`prunable_checkpoints`): ``keep_last`` newest published checkpoints are
+    kept, plus, forever, the published ones whose step is a multiple of ``keep_every``. The
+    deletions run on a background thread of the coordinator (they never block :meth:`save` or
+    :meth:`poll`); one that fails is logged and skipped. ``remover(path)`` deletes one
+    checkpoint directory (default: ``.metadata`` first, then the rest).
     """
 
     def __init__(self, save_dir: str | os.PathLike, checkpointer: AsyncCheckpointer, *,
-                 keep_last: int | None = None, async_save: bool = True, overwrite: bool = False,
-                 on_done: Callable[[PublishedSave], None] | None = None) -> None:
+                 keep_last: int | None = None, keep_every: int | None = None, async_save: bool = True,
+                 overwrite: bool = False, on_done: Callable[[PublishedSave], None] | None = None,
+                 remover: Callable[[str], None] = remove_checkpoint) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1, got {keep_every}")
         self.save_dir = os.fspath(save_dir)
         self.checkpointer = checkpointer
         self.keep_last = keep_last
+        self.keep_every = keep_every
         self.async_save = async_save
         self.on_done = on_done
         self.overwrite = overwrite
         self.failures: list[PublishedSave] = []
         self.done: list[PublishedSave] = []
         self._pending: tuple[int, SaveHandle] | None = None
+        self._published_step: int | None = None  # read by the pruner's thread
+        self._pruner = Pruner(lambda: prunable_checkpoints(self.save_dir, self.keep_last, self.keep_every,
+                                                           below=self._published_step), remover)
 
     @property
     def is_coordinator(self) -> bool:
@@ -223,11 +265,22 @@ class CheckpointManager:
         """Collect the save in flight if it has finished (non-blocking, no collective)."""
         return self._collect(block=False)
 
+    def wait_for_pruning(self, timeout: float | None = None) -> bool:
+        """Wait until no deletion of old checkpoints is due or running (at once on other ranks);
+        ``False`` if ``timeout`` ran out first."""
+        return self._pruner.wait(timeout)
+
     def finish(self, timeout: float | None = None) -> list[PublishedSave]:
-        """Wait for the save in flight (bounded) and close the checkpointer."""
+        """Wait for the save in flight (bounded), then for the deletions still running (bounded by
+        ``timeout``, else :data:`PRUNE_WAIT_S`; past it they go on in the background, and a
+        warning says so), and close the checkpointer."""
         try:
             return self._collect(block=True, timeout=timeout)
         finally:
+            limit = PRUNE_WAIT_S if timeout is None else timeout
+            if not self._pruner.close(limit):
+                log.warning("solosave: old checkpoints still being deleted after %.1f s; left to a "
+                            "background thread (a half-deleted one is never published)", limit)
             self.checkpointer.close()
 
     def _collect(self, block: bool, timeout: float | None = None) -> list[PublishedSave]:
@@ -245,7 +298,9 @@ class CheckpointManager:
             log.error("solosave: checkpoint of step %d (%s) failed: %s", step, handle.path, e)
         if done.result is not None and self.is_coordinator and done.result.published:
             self._mark_latest(done)
-            self._prune()
+            self._published_step = step
+            if self.keep_last is not None:
+                self._pruner.request()
         self.done.append(done)
         if self.on_done is not None:
             self.on_done(done)
@@ -254,34 +309,6 @@ class CheckpointManager:
     def _mark_latest(self, done: PublishedSave) -> None:
         atomic_write(os.path.join(self.save_dir, LATEST_FILE),
                      (os.path.basename(done.path) + "\n").encode())
-
-    def _prune(self) -> None:
-        if self.keep_last is None:
-            return
-        published = published_checkpoints(self.save_dir)
-        if not published:
-            return
-        newest = published[-1][0]
-        keep = {s for s, _ in published[-self.keep_last:]}
-        for name in os.listdir(self.save_dir):
-            m = _ITER_RE.match(name)
-            if not m:
-                continue
-            s = int(m.group(1))
-            # Older than the newest published one and not among the kept: published or partial.
-            if s < newest and s not in keep:
-                path = os.path.join(self.save_dir, name)
-                _remove_checkpoint(path)
-
-
-def _remove_checkpoint(path: str) -> None:
-    """Delete a checkpoint directory, ``.metadata`` first: a crash midway leaves a partial
-    checkpoint (ignored by loaders), never a published one with missing data files."""
-    try:
-        os.remove(os.path.join(path, METADATA_FILE))
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def read_latest_marker(save_dir: str | os.PathLike) -> str | None:
@@ -296,5 +323,5 @@ def read_latest_marker(save_dir: str | os.PathLike) -> str | None:
 __all__ = [
     "AUTO", "LATEST_FILE", "CheckpointManager", "PublishedSave", "add_checkpoint_args",
     "checkpoint_dir", "checkpointer_from_args", "find_latest_checkpoint", "prepared_for_resume",
-    "published_checkpoints", "read_latest_marker", "validate_checkpoint_args",
+    "prunable_checkpoints", "published_checkpoints", "read_latest_marker", "validate_checkpoint_args",
 ]
