@@ -19,6 +19,7 @@ torch builds without ``skip_data`` take ``torch.save`` itself.
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
 import zlib
@@ -55,9 +56,10 @@ class TensorFrame:
     nbytes: int
     #: Offsets in ``suffix`` of the data entry's CRC32 fields.
     crc_at: tuple[int, ...]
-    #: The CRC32s of the entries that the serialization id folds, in order; ``None`` marks the
-    #: data entry.
-    chain: tuple[int | None, ...]
+    #: The serialization id's fold of the CRC32s of the entries before the data entry, and the
+    #: CRC32s of the entries after it (the id folds every entry's CRC32 in archive order).
+    fold_seed: int
+    chain_after: tuple[int, ...]
     #: Offset in ``suffix`` of the id's last 20 digits, and of the id entry's CRC32 fields.
     id_at: int
     id_crc_at: tuple[int, ...]
@@ -66,9 +68,9 @@ class TensorFrame:
         s = bytearray(self.suffix)
         for at in self.crc_at:
             struct.pack_into("<I", s, at, crc)
-        folded = 0
-        for c in self.chain:
-            folded = _hash_combine(folded, crc if c is None else c)
+        folded = _hash_combine(self.fold_seed, crc)
+        for c in self.chain_after:
+            folded = _hash_combine(folded, c)
         s[self.id_at:self.id_at + 20] = b"%020d" % folded
         id_start = self.id_at - 20
         id_crc = zlib.crc32(bytes(s[id_start:self.id_at + 20]))
@@ -195,17 +197,26 @@ def _frame(prefix: bytes, suffix: bytes, nbytes: int, base: int) -> TensorFrame:
     id_data = id_local + 30 + name_len + extra_len
     if not suffix[id_data:id_data + 40].isdigit():
         raise ValueError("serialization id is not 40 digits")
-    chain = tuple(None if e is data[0] else e[1] for e in entries[:-1])
+    at = entries.index(data[0])
+    seed = 0
+    for e in entries[:at]:
+        seed = _hash_combine(seed, e[1])
     return TensorFrame(prefix, suffix, nbytes, crc_at=(_descriptor_crc(suffix, 0), data[0][3] + 16),
-                       chain=chain, id_at=id_data + 20,
+                       fold_seed=seed, chain_after=tuple(e[1] for e in entries[at + 1:-1]), id_at=id_data + 20,
                        id_crc_at=(_descriptor_crc(suffix, id_data + 40), ident[0][3] + 16))
 
 
 class FrameCache:
-    """Frames by ``(dtype, shape)``, built on first use (one per distinct tensor shape)."""
+    """Frames by ``(dtype, shape)``, built on first use (one per distinct tensor shape), and
+    each tensor's frame and bytes by identity (the worker writes the same staged views on every
+    save of a structure: looked up, not recomputed)."""
+
+    #: Tensors remembered by identity before the memo starts afresh (a bound, not a tuning knob).
+    MEMO_LIMIT = 1 << 17
 
     def __init__(self) -> None:
         self._frames: dict[tuple[torch.dtype, tuple[int, ...]], TensorFrame | None] = {}
+        self._memo: dict[int, tuple[torch.Tensor, TensorFrame, memoryview] | None] = {}
 
     def get(self, tensor: torch.Tensor) -> TensorFrame | None:
         """The frame for ``tensor``, or ``None`` if it must go through ``torch.save``."""
@@ -219,6 +230,20 @@ class FrameCache:
             self._frames[key] = build_frame(*key)
         return self._frames[key]
 
+    def lookup(self, tensor: torch.Tensor) -> tuple[TensorFrame, memoryview] | None:
+        """``tensor``'s frame and bytes, or ``None`` if it must go through ``torch.save``."""
+        hit = self._memo.get(id(tensor))
+        if hit is not None and hit[0] is tensor:
+            return hit[1], hit[2]
+        frame = self.get(tensor)
+        if frame is None:
+            return None
+        if len(self._memo) >= self.MEMO_LIMIT:
+            self._memo = {}
+        data = raw_bytes(tensor)
+        self._memo[id(tensor)] = (tensor, frame, data)
+        return frame, data
+
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (valid while ``tensor`` lives)."""
@@ -229,6 +254,24 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
 def record_crc(data: memoryview) -> int:
     """The zip CRC32 of a record's storage bytes (releases the GIL on large buffers)."""
     return zlib.crc32(data)
+
+
+def writev_all(fd: int, pieces: list) -> None:
+    """Write ``pieces`` (buffers) in order at ``fd``'s position: ``os.writev`` in batches of
+    at most :data:`IOV_BATCH`, resuming after short writes."""
+    for start in range(0, len(pieces), IOV_BATCH):
+        batch = [memoryview(p).cast("B") for p in pieces[start:start + IOV_BATCH]]
+        while batch:
+            n = os.writev(fd, batch)
+            while batch and n >= len(batch[0]):
+                n -= len(batch[0])
+                batch.pop(0)
+            if batch and n:
+                batch[0] = batch[0][n:]
+
+
+#: Buffers per ``writev`` call (Linux's IOV_MAX is 1024).
+IOV_BATCH = 768
 
 
 class CrcAhead:
