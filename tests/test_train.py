@@ -60,7 +60,7 @@ def test_resume_bit_for_bit_ignoring_partial(run_a, tmp_path):
     shutil.copytree(d / "ckpt", load_dir)
     os.remove(load_dir / "iter_0000008" / ".metadata")  # now partial: must be ignored
     r = train("--steps", 8, "--load", load_dir, "--save", tmp_path / "b", "--save-interval", 4,
-              "--async-save", "--use-persistent-ckpt-worker", "--ckpt-metadata", "auto",
+              "--async-save", "--use-persistent-ckpt-worker", "--ckpt-metadata", "auto", "--ckpt-overlap-staging",
               "--json-log", tmp_path / "b.jsonl")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed from" in r.stdout and "iter_0000004" in r.stdout

@@ -14,7 +14,10 @@ What it runs (every part prints one line; the exit status is 1 if any check fail
 4. A table: ``save()`` stall against a plain device-to-host copy of the same bytes, and the time
    of a step (save + compute + wait_staged) against the compute alone, in both modes.
 
-Not covered: the demo model on CUDA. Status: written without access to a GPU; never run. Run it
+5. The demo (``solosave train --device cuda``, 2 ranks sharing the GPU, overlapped staging):
+   create then reuse saves, then a resume from the last checkpoint.
+
+Status: written without access to a GPU; never run. Run it
 with ``.venv/bin/python tools/device_check.py`` on a machine with CUDA torch and one GPU.
 """
 
@@ -144,7 +147,25 @@ def main() -> int:
                   f"workers with a CUDA context: {cuda_workers or 'none'}  stall {stall * 1e3:.1f} ms vs "
                   f"device-to-host copy {d2h * 1e3:.1f} ms ({stall / d2h:.2f}x)  step {step * 1e3:.1f} ms vs "
                   f"compute alone {compute * 1e3:.1f} ms ({step / compute:.2f}x)")
+    failed += not _demo()
     return 1 if failed else 0
+
+
+def _demo() -> bool:
+    root = tempfile.mkdtemp(prefix="solosave-device-demo-")
+    base = [sys.executable, "-m", "solosave", "train", "--nproc", "2", "--device", "cuda", "--no-progress",
+            "--steps", "8", "--save", f"{root}/ckpt", "--save-interval", "4"]
+    first = subprocess.run(base + ["--async-save", "--use-persistent-ckpt-worker", "--ckpt-metadata",
+                                   f"{root}/prep.md", "--ckpt-metadata-create", "--ckpt-overlap-staging",
+                                   "--json-log", f"{root}/log.jsonl"],
+                           capture_output=True, text=True, timeout=240)
+    resumed = subprocess.run(base[:-4] + ["--steps", "10", "--load", f"{root}/ckpt"],
+                             capture_output=True, text=True, timeout=240)
+    ok = first.returncode == 0 and resumed.returncode == 0 and '"reuse"' in open(f"{root}/log.jsonl").read()
+    print(f"demo on CUDA: {'ok' if ok else 'FAILED'}  (rc {first.returncode}, resume rc {resumed.returncode})")
+    if not ok:
+        print(first.stdout[-2000:], first.stderr[-2000:], resumed.stderr[-2000:], sep="\n")
+    return ok
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="model init and sampling seed (default 0)")
     g.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                    help="data parallel (DDP) or sharded data parallel (FSDP2 fully_shard); default ddp")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model trains (default cpu). cuda: one GPU per local rank where "
+                        "there are enough (NCCL), else the ranks share the GPUs (gloo)")
     g.add_argument("--json-log", metavar="FILE", default=None,
                    help="append one JSON line per step and per save (rank 0)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -24,6 +24,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,13 +54,16 @@ class RankState:
     world: int
     resumed_from: str | None = None  # the checkpoint directory resume() loaded, if any
     signalled: bool = False  # --exit-signal-handler: SIGTERM/SIGINT arrived
+    device: str = "cpu"
+    #: The last save's handle until its staging is waited for (``--ckpt-overlap-staging``).
+    staging: Any = None
 
 
 def build(args: argparse.Namespace) -> RankState:
     """Join the process group; build the model, its data-parallel wrapping, AdamW and the corpus."""
-    dist.init_process_group("gloo")
+    device = _join(args)
     torch.manual_seed(args.seed)
-    model = make_model(args)
+    model = make_model(args).to(device)
     if args.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -70,7 +74,23 @@ def build(args: argparse.Namespace) -> RankState:
     else:
         train_model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(train_model.parameters(), lr=args.lr, weight_decay=0.01)
-    return RankState(model, train_model, opt, make_corpus(args.vocab), dist.get_rank(), dist.get_world_size())
+    return RankState(model, train_model, opt, make_corpus(args.vocab), dist.get_rank(), dist.get_world_size(),
+                     device=str(device))
+
+
+def _join(args: argparse.Namespace) -> torch.device:
+    """Init the process group; the device this rank trains on. ``--device cuda``: NCCL when every
+    local rank has a GPU of its own, else gloo with the ranks sharing the GPUs."""
+    if args.device == "cpu":
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device")
+    local, n_local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count()
+    torch.cuda.set_device(local % gpus)
+    dist.init_process_group("nccl" if n_local <= gpus else "gloo")
+    return torch.device("cuda", local % gpus)
 
 
 def state_dict(state: RankState, step: int, position: int) -> dict[str, Any]:
@@ -95,12 +115,15 @@ def resume(args: argparse.Namespace, state: RankState) -> tuple[int, int]:
         print(f"no published checkpoint under {args.load}: starting from step 0", flush=True)
     if point is None:
         return 0, 0
+    t0 = time.perf_counter()
     sd = state_dict(state, 0, 0)
     saved = solosave.load_prepared_metadata(point[1]).metadata.state_dict_metadata
     own_rng = f"rng.rank{state.rank}" in saved
     if not own_rng:  # resumed at a larger world size: this rank has no RNG state in the checkpoint
         del sd["rng"]
+    t_load = time.perf_counter()
     solosave.load(sd, point[1])
+    t_load = time.perf_counter() - t_load
     set_state_dict(state.train_model, state.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     step, position = int(sd["train"]["step"]), int(sd["train"]["data_position"])
     if own_rng:
@@ -114,7 +137,8 @@ def resume(args: argparse.Namespace, state: RankState) -> tuple[int, int]:
               "(the loss curve is not bit-identical to an uninterrupted run)", flush=True)
     state.resumed_from = point[1]
     if state.rank == 0:
-        print(f"resumed from {point[1]} (step {step})", flush=True)
+        print(f"resumed from {point[1]} (step {step}) in {time.perf_counter() - t0:.2f} s "
+              f"(solosave.load {t_load:.2f} s)", flush=True)
     return step, position
 
 
@@ -123,7 +147,7 @@ def checkpointing(args: argparse.Namespace, state: RankState, reporter: Reporter
     if not args.save:
         return None
     ckpt = checkpointer_from_args(args, resumed_from=state.resumed_from)
-    return CheckpointManager(args.save, ckpt, keep_last=args.keep_last,
+    return CheckpointManager(args.save, ckpt, keep_last=args.keep_last, keep_every=args.keep_every,
                              async_save=args.async_save, on_done=reporter.save_done)
 
 
@@ -132,10 +156,14 @@ def train_step(args: argparse.Namespace, state: RankState, step: int, position: 
     for group in state.opt.param_groups:
         group["lr"] = lr_at(step, args)
     x, y = batch_at(state.corpus, position, state.rank, args.batch_size, args.seq_len)
+    x, y = x.to(state.device), y.to(state.device)
     logits = state.train_model(x)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
     state.opt.zero_grad(set_to_none=True)
     loss.backward()
+    if state.staging is not None:  # overlapped staging: the copies ran during forward/backward
+        state.staging.wait_staged()
+        state.staging = None
     state.opt.step()
     mean = loss.detach().clone()
     dist.all_reduce(mean)
@@ -147,7 +175,7 @@ def exit_requested(args: argparse.Namespace, state: RankState) -> bool:
     agrees: one all_reduce of a flag per step, as Megatron's handler does)."""
     if not args.exit_signal_handler:
         return False
-    flag = torch.tensor([1 if state.signalled else 0])
+    flag = torch.tensor([1 if state.signalled else 0], device=state.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -166,7 +194,7 @@ def loop(args: argparse.Namespace, state: RankState, manager: CheckpointManager 
         if manager is not None:
             manager.poll()
             if step % interval == 0 or step == args.steps or stop:
-                manager.save(step, state_dict(state, step, position))
+                state.staging = manager.save(step, state_dict(state, step, position))
         if stop:
             if state.rank == 0:
                 print(f"exit signal received: saved step {step}, exiting", flush=True)
