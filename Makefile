@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 TRAIN_DIR ?= runs/train
 
-.PHONY: train test test-slow lint wheel-smoke bench device-check clean
+.PHONY: train test test-slow lint wheel-smoke bench device-check test-torch-versions clean
 
 $(BIN)/solosave: pyproject.toml requirements-dev.txt
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,11 @@ wheel-smoke: $(BIN)/solosave
 # On a machine with a GPU and a CUDA build of torch (not run yet: see tools/device_check.py).
 device-check:
 	timeout 300 $(PY) tools/device_check.py
+
+# Core tests on the newest torch on this machine's index and the oldest claimed (CUDA builds of
+# several GB each, run on the CPU; not in CI): tools/torch_versions.sh.
+test-torch-versions:
+	tools/torch_versions.sh
 
 bench: $(BIN)/solosave
 	$(BIN)/python -m benchmarks --plots docs/img
