@@ -98,10 +98,13 @@ def test_collective_counts_match_torch_distributed(tmp_path, monkeypatch):
     assert set(observed["trainer"]) <= {"broadcast_object_list", "barrier"}
 
 
-def test_overlapped_staging_keeps_the_values_of_the_call_and_fails_a_raced_save(tmp_path):
+def test_overlapped_staging_keeps_the_values_of_the_call_and_fails_a_raced_save(tmp_path, case_log):
     out = run_ranks(rank_fns.overlap_staging, 2, str(tmp_path))
     for r in out:
         assert r["modes"] == ["create", "reuse", "reuse"]
         assert "staging failed on this rank" in r["failed"] and "rank 1" in r["failed"], r["failed"]
         assert r["published"] is False and r["after"] == "reuse"
     assert "wait_staged" in out[1]["race"] and "race" not in out[0]
+    case_log("overlap_staging: rank 1 changes a saved tensor in place before wait_staged() and "
+             "before its copy is done", "StagingRaceError from wait_staged() on rank 1; the save fails on "
+             "both ranks naming rank 1, no .metadata; the next save reuses and publishes")

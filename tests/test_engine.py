@@ -205,7 +205,7 @@ def test_an_empty_state_creates_and_reuses(ranks):
     assert kinds(outs) == [SaveKind.REUSE] * 2
 
 
-def test_a_replicated_item_lost_by_its_writer_heals_on_the_next_save(ranks):
+def test_a_replicated_item_lost_by_its_writer_heals_on_the_next_save(ranks, case_log):
     rk = ranks(2, assume_constant_structure=True)
     rk.save(state, "c0")
     writer = next(r for r in range(2) if any(p.key[0] == "w" for p in rk.sessions[r].prepared.rank_files(r)[0][1]))
@@ -214,9 +214,13 @@ def test_a_replicated_item_lost_by_its_writer_heals_on_the_next_save(ranks):
     healed = rk.save(lambda r: state(r, lose=writer), "c2")
     assert all(o.ok and o.published for o in healed), [o.failures for o in healed]
     assert kinds(rk.save(lambda r: state(r, lose=writer), "c3")) == [SaveKind.REUSE] * 2
+    case_log("reuse save (default staging): a replicated tensor vanished from its prepared writer",
+             "that save fails on every rank ('staged by no rank'), nothing published; the next save "
+             "stages everything and publishes; the one after reuses")
 
 
-def test_with_stage_replicas_a_replicated_item_lost_by_its_writer_is_saved_in_the_same_save(ranks, tmp_path):
+def test_with_stage_replicas_a_replicated_item_lost_by_its_writer_is_saved_in_the_same_save(ranks, tmp_path,
+                                                                                           case_log):
     rk = ranks(2, assume_constant_structure=True, stage_replicas=True)
     rk.save(state, "c0")
     writer = next(r for r in range(2) if any(p.key[0] == "w" for p in rk.sessions[r].prepared.rank_files(r)[0][1]))
@@ -229,6 +233,9 @@ def test_with_stage_replicas_a_replicated_item_lost_by_its_writer_is_saved_in_th
     dcp.load(got, checkpoint_id=str(tmp_path / "c1"), no_dist=True)
     assert torch.equal(got["w"], torch.arange(64, dtype=torch.float32))
     assert kinds(rk.save(lambda r: state(r, lose=writer), "c2")) == [SaveKind.REUSE] * 2
+    case_log("reuse save, stage_replicas=True: a replicated tensor vanished from its prepared writer "
+             "(another rank still holds it)", "that same save published through the fallback, the tensor "
+             "written by the other holder (loads bit-exact); the next save reuses again")
 
 
 def test_a_directory_name_that_is_not_utf8_saves_and_loads(ranks, tmp_path, case_log):

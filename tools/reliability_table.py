@@ -23,7 +23,7 @@ DOC = os.path.join(ROOT, "docs", "reliability.md")
 START, END = "<!-- reliability-table:start -->", "<!-- reliability-table:end -->"
 SUITES = ["tests/test_faults.py", "tests/test_faults_input.py", "tests/test_faults_lifecycle.py",
           "tests/test_load.py", "tests/test_write.py", "tests/test_engine.py", "tests/test_multihost.py",
-          "tests/test_verify.py"]
+          "tests/test_verify.py", "tests/test_checkpointer.py"]
 
 
 def run(paths: list[str], marker: str) -> tuple[dict, str, float]:
