@@ -1,4 +1,4 @@
-"""``python -m benchmarks``: the save benchmark and the scale simulation, one command.
+"""``python -m benchmarks``: the save benchmark, the load benchmark and the scale simulation, one command.
 
 See ``benchmarks/__init__.py`` for what is measured and ``docs/benchmarks.md`` for results.
 """
@@ -15,20 +15,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import limits as limits_bench
+from . import load as load_bench
+from . import object_store as s3_bench
 from . import report as rep
 from .progress import Progress
 from .save_modes import MODES, MiB, run_save_bench
-from .scale import run_scale, scale_steps
+from .scale import run_scale, scale_steps, scale_summary
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=(
         "solosave vs torch.distributed.checkpoint: saves on local ranks side by side, physical "
         "limits, and a scale simulation of the coordinator's work up to W=16384."))
-    p.add_argument("--only", choices=("all", "save", "scale"), default="all", help="which part to run")
+    p.add_argument("--only", choices=("all", "save", "limits", "load", "scale", "s3"), default="all",
+                   help="which part to run (s3: saves to s3:// on a local server, not part of all)")
     p.add_argument("--total-mib", type=int, default=256, help="state size over all ranks (default 256)")
     p.add_argument("--count", type=int, default=64, help="fp32 tensors over all ranks (default 64)")
-    p.add_argument("--world-sizes", default="2,4", help="comma-separated (default 2,4)")
+    p.add_argument("--world-sizes", default=None,
+                   help="comma-separated (default 2,4); with --only scale: the simulated world sizes")
     p.add_argument("--saves", type=int, default=8, help="consecutive saves per mode (default 8)")
     p.add_argument("--warmup", type=int, default=2, help="first saves reported separately (default 2)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ",".join(MODES))
@@ -36,8 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-max-w", type=int, default=16384, help="largest simulated world size (default 16384)")
     p.add_argument("--dcp-max-w", type=int, default=4096,
                    help="largest world size simulated for stock DCP (default 4096; it takes minutes there)")
+    p.add_argument("--solosave-only", action="store_true", help="scale: simulate solosave only, not stock DCP")
+    p.add_argument("--json", default=None, metavar="OUT.json",
+                   help="also write the scale figures per world size to this file ({'scale': [...]})")
     p.add_argument("--scale-workers", type=int, default=1, help="files per rank in the simulation (default 1)")
     p.add_argument("--scale-layers", type=int, default=22, help="layers of the simulated model (22: 200 tensors)")
+    p.add_argument("--load-reps", type=int, default=7, help="timed loads per method and case (default 7)")
     p.add_argument("--out", default="bench-out", help="scratch + report directory (default bench-out)")
     p.add_argument("--plots", default=None, help="directory for the PNGs (default <out>)")
     p.add_argument("--quick", action="store_true",
@@ -61,15 +70,17 @@ def _machine() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    scale_world_sizes = [int(w) for w in (args.world_sizes or "").split(",") if w]
     if args.quick:
         args.total_mib, args.count, args.saves, args.world_sizes = 64, 16, 4, "2"
         args.scale_max_w, args.dcp_max_w = min(args.scale_max_w, 256), min(args.dcp_max_w, 256)
+    args.world_sizes = args.world_sizes or "2,4"
     world_sizes = [int(w) for w in args.world_sizes.split(",") if w]
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
-    for ws in world_sizes:
+    for ws in world_sizes if args.only != "scale" else ():
         if args.count % ws:
             raise SystemExit(f"--count {args.count} is not divisible by world size {ws}")
     if (args.total_mib * MiB) % (args.count * 4):
@@ -84,11 +95,20 @@ def main(argv: list[str] | None = None) -> int:
                 "write_reps": 2, "world_sizes": world_sizes, "modes": modes}
     scale_cfg = {"max_w": args.scale_max_w, "dcp_max_w": args.dcp_max_w, "workers": args.scale_workers,
                  "layers": args.scale_layers, "scratch": str(out)}
+    if args.solosave_only:
+        scale_cfg["dcp_max_w"] = 0
+    if args.only == "scale" and scale_world_sizes:
+        scale_cfg["world_sizes"] = scale_world_sizes
     steps = 0
     if args.only in ("all", "save"):
         steps += len(world_sizes) * (1 + len(modes))
     if args.only in ("all", "scale"):
         steps += scale_steps(scale_cfg)
+    if args.only in ("all", "load"):
+        steps += len(load_bench.CASES)
+    if args.only in ("all", "limits"):
+        steps += len(limits_bench.CASES) * (1 + len(limits_bench.MODES))
+    steps += args.only == "s3"
     progress = Progress(steps)
     report: dict[str, Any] = {"command": " ".join(["python -m benchmarks"] + (argv if argv is not None else sys.argv[1:])),
                               "machine": _machine()}
@@ -97,6 +117,17 @@ def main(argv: list[str] | None = None) -> int:
         report["save"] = run_save_bench(save_cfg, out, progress)
     if args.only in ("all", "scale"):
         report["scale"] = run_scale(scale_cfg, progress)
+    if args.only in ("all", "load"):
+        load_cfg = {"world_size": 2, "reps": 3 if args.quick else args.load_reps, "timeout": args.timeout,
+                    "methods": list(load_bench.METHODS)}
+        report["load"] = load_bench.run_load_bench(load_cfg, out, progress)
+    if args.only in ("all", "limits"):
+        limits_cfg = {"saves": args.saves, "warmup": min(args.warmup, args.saves), "timeout": args.timeout}
+        report["limits"] = limits_bench.run_limits_bench(limits_cfg, out, progress)
+    if args.only == "s3":
+        s3_cfg = {"per_rank_mib": min(args.total_mib // 2, 64), "tensors": 16, "saves": args.saves // 2 or 1,
+                  "timeout": args.timeout}
+        report["s3"] = s3_bench.run_s3_bench(s3_cfg, progress)
     progress.finish()
     report["wall_s"] = time.perf_counter() - t0
     report["machine"]["loadavg_end"] = os.getloadavg()
@@ -108,6 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     if "scale" in report:
         rep.print_scale(report["scale"])
         files += rep.plot_scale(report["scale"], plots)
+    if "limits" in report:
+        limits_bench.print_limits(report["limits"])
+        files += limits_bench.plot_limits(report["limits"], plots)
+    if "load" in report:
+        load_bench.print_load(report["load"])
+        files += load_bench.plot_load(report["load"], plots)
+    if "s3" in report:
+        s3_bench.print_s3(report["s3"])
+        files += s3_bench.plot_s3(report["s3"], plots)
+    if args.json and "scale" in report:
+        Path(args.json).write_text(json.dumps({"scale": scale_summary(report["scale"])}, indent=1))
     json_path = out / "benchmarks.json"
     json_path.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
     la = report["machine"]

@@ -35,15 +35,17 @@ two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1
   solosave used before the typed protocol (a plain 6-tuple, rebuilt in this module): the
   simulation fails if the new payload is larger (``plan_bytes_*_old_form``; likewise, reported
   only, ``scatter_bytes_old_form`` and ``result_bytes_*_old_form``).
-* solosave, reuse path: once per prepared metadata, every rank's ``PreparedMetadata`` (built from
-  the broadcast metadata, as ``SaveSession.absorb`` does, with its chunk-size index) and the
-  coordinator's ``MetadataTemplate`` (when loaded from a file; after a create save in the same
-  job the engine adopts the create save's template: ``t_template_after_create``); per save
-  ``render`` + ``publish_metadata`` (atomic write, fsync); per rank per save
-  ``PreparedMetadata.plan_reuse`` (local planning from the rank's files in the prepared metadata)
-  + ``check_layout`` (the layout guard) on that rank's write results.
-* loading: ``pickle.loads`` of ``.metadata`` (what every loading rank's ``FileSystemReader`` does)
-  and solosave's allowlisted ``safe_loads``.
+* solosave, reuse path (``measure_startup``), from the prepared file the create save wrote
+  (``finish`` with a ``prepared_path``: the sectioned format of ``solosave._sections``): per
+  sampled rank (0, W/2, W-1) the start-up a rank runs - ``load_prepared_metadata`` (header),
+  ``check_compatible``, the first ``plan_reuse`` (its own section, the structure, the directory
+  buckets of items other ranks write) - timed and with the bytes it read, and the pickled size of
+  the prepared metadata its trainer sends its worker; the coordinator's template read at start-up
+  (``t_template_once``) or adoption of the create save's template (``t_template_after_create``);
+  per save ``render`` + ``publish_metadata`` (atomic write, fsync), and per rank per save
+  ``plan_reuse`` + ``check_layout`` (the layout guard) on that rank's write results.
+* loading (``measure_load``): ``pickle.loads`` of ``.metadata`` (what every loading rank's
+  ``FileSystemReader`` does) and solosave's allowlisted ``safe_loads``.
 
 **What is modelled, not measured**: the network (no bytes move; gathered bytes are reported, not
 timed), the reuse path's one 1-element ``all_reduce`` (``REDUCE_MODEL_S`` per tree level,
@@ -198,7 +200,7 @@ def solosave_results(specs: list, rank: int, workers: int) -> list:
     return results
 
 
-def coordinator_engine(world: int, workers: int) -> Any:
+def coordinator_engine(world: int, workers: int, prepared_path: str | None = None) -> Any:
     """The coordinator's real ``Engine`` (rank 0 of ``world`` in-process channels; ``finish``
     calls no collective, so the other ranks' channels are never used)."""
     from solosave._coordinate import local_channels
@@ -206,19 +208,15 @@ def coordinator_engine(world: int, workers: int) -> Any:
     from solosave._protocol import EngineSettings
     from solosave._write import FileWriter
 
-    return Engine(local_channels(world)[0], EngineSettings(workers=workers), FileWriter(fsync=True))
+    return Engine(local_channels(world)[0], EngineSettings(workers=workers, prepared_path=prepared_path),
+                  FileWriter(fsync=True))
 
 
 def simulate_solosave(structure: list, world: int, workers: int, directory: str) -> Json:
     """The collective path's coordinator work and the reuse path's, at world size ``world``."""
     from solosave._chunks import validate_chunks
     from solosave._collective import decide, finish
-    from solosave._layout import check_layout
-    from solosave._plan import LocalPlan
-    from solosave._prepared import PreparedMetadata
     from solosave._protocol import Verdict, WriteReport
-    from solosave._publish import MetadataTemplate, publish_metadata
-    from solosave._safe_pickle import safe_loads
 
     out: Json = {"world": world}
     ckpt = os.path.join(directory, f"solosave_w{world}")
@@ -242,7 +240,8 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
         raise RuntimeError(f"the planning payload grew at W={world}: {out['plan_bytes_gathered']} bytes "
                            f"gathered, {out['plan_bytes_gathered_old_form']} in the old form")
 
-    engine = coordinator_engine(world, workers)
+    prepared_path = os.path.join(directory, f"prepared_w{world}.metadata")
+    engine = coordinator_engine(world, workers, prepared_path)
     requests, out["t_unpickle_plans"] = _timed(lambda: [pickle.loads(b) for b in plan_payloads])
     plan_payloads = None  # free it (a large object)
     (decisions, plan), out["t_global_plan"] = _timed(lambda: decide(coord_job, requests, 0))
@@ -281,9 +280,10 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     out["result_bytes_gathered_old_form"] = sum(old_results)
     reports, out["t_unpickle_results"] = _timed(lambda: [pickle.loads(b) for b in result_payloads])
     result_payloads = None  # free it (a large object)
-    # The create save (make_prepared, no prepared file): ``finish`` checks the results cover the
-    # plan, builds the Metadata and its template, publishes ``.metadata`` (fsync) and returns the
-    # notice that carries the metadata, now prepared, to every rank.
+    # The create save (make_prepared, a prepared file): ``finish`` checks the results cover the
+    # plan, builds the Metadata and its template, writes the sectioned prepared file from them,
+    # publishes ``.metadata`` (fsync) and returns the notice that carries a reference to the
+    # prepared file to every rank (each reads its own section, as at start-up: measure_startup).
     notice, out["t_finish_publish"] = _timed(
         lambda: finish(engine, coord_job, plan, reports, defaultdict(float)))
     if notice.failures or not notice.published or notice.prepared is None:
@@ -295,7 +295,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     bcast, out["t_broadcast_pickle"] = _timed(lambda: _dumps(notice))
     out["broadcast_bytes"] = len(bcast)
     reports = plan = sdm = notice = None  # free it (a large object)
-    received, out["t_broadcast_unpickle"] = _timed(lambda: pickle.loads(bcast))
+    _, out["t_broadcast_unpickle"] = _timed(lambda: pickle.loads(bcast))
     bcast = None  # free it (a large object)
     engine.close()
     engine = None  # free it (a large object)
@@ -303,63 +303,84 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     out["coordinator_total_s"] = (out["t_unpickle_plans"] + out["t_global_plan"] + out["t_scatter_pickle"]
                                   + out["t_unpickle_results"] + out["t_finish_publish"]
                                   + out["t_broadcast_pickle"])
+    out["create_save_s"] = out["coordinator_total_s"]
     md_path = os.path.join(ckpt, ".metadata")
-    data = open(md_path, "rb").read()  # noqa: SIM115 - read once
-    out["metadata_bytes"] = len(data)
+    out["metadata_bytes"] = os.path.getsize(md_path)
+    out["prepared_file_bytes"] = os.path.getsize(prepared_path)
+    measure_load(out, ckpt, md_path, samples)
+    measure_startup(out, world, workers, prepared_path, made, samples)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    gc.collect()
+    return out
 
-    # Loading: every loading rank unpickles the whole .metadata.
+
+def measure_load(out: Json, ckpt: str, md_path: str, samples: dict) -> None:
+    """Loading: what every loading rank runs to learn where its shards are."""
+    from solosave._safe_pickle import safe_loads
+
+    data = open(md_path, "rb").read()  # noqa: SIM115 - read once
     _, out["t_load_unpickle"] = _timed(lambda: pickle.loads(data))
     _, out["t_load_safe_unpickle"] = _timed(lambda: safe_loads(data, what=md_path))
-    data = None  # free it (a large object)
+    out["load_metadata_s_per_rank"] = out["t_load_safe_unpickle"]
+    out["load_read_bytes_per_rank"] = len(data)
 
-    # Reuse: once per prepared metadata every rank indexes it (SaveSession.absorb wraps the
-    # broadcast metadata; the chunk sizes are indexed at the first reuse plan), the coordinator
-    # serializes the template (or adopts the create save's); then per save.
-    md = received.prepared
-    pm, t_index = _timed(lambda: PreparedMetadata.from_metadata(md, world, workers))
-    _, t_sizes = _timed(lambda: pm.chunk_sizes)
-    out["t_prepared_index_once"] = t_index + t_sizes
-    out["t_prepared_chunk_sizes_once"] = t_sizes
-    tpl, out["t_template_once"] = _timed(lambda: MetadataTemplate(md))
-    # The first reuse save after the create save in the same job: the coordinator's engine
-    # adopts the template it built while publishing (Engine.prepared_for).
-    adopted, out["t_template_after_create"] = _timed(lambda: (pm.adopt_template(*made), pm.template)[0])
-    if not adopted or pm.template is not made[1]:
-        raise RuntimeError(f"the create save's template was not adopted at W={world}")
-    made = md = received = None  # free it (a large object)
-    reuse_dir = os.path.join(directory, f"reuse_w{world}")
-    os.makedirs(reuse_dir, exist_ok=True)
-    pubs = []
-    for _ in range(3):
-        _, t = _timed(lambda: publish_metadata(reuse_dir, tpl.render(reuse_dir), fsync=True))
-        pubs.append(t)
-    out["t_reuse_publish"] = statistics.median(pubs)
-    out["reduce_levels"] = math.ceil(math.log2(world)) if world > 1 else 0
-    out["t_reuse_reduce_modelled"] = out["reduce_levels"] * REDUCE_MODEL_S
-    out["reuse_coordinator_s"] = out["t_reuse_publish"] + out["t_reuse_reduce_modelled"]
 
-    # Per rank per save: the local reuse plan from the prepared metadata (what SaveSession.build
-    # runs) and the layout guard on its write results (what Engine._reuse_write runs).
-    per_rank = []
+def measure_startup(out: Json, world: int, workers: int, prepared_path: str, made: Any, samples: dict) -> None:
+    """Reuse start-up and saves from the prepared file the create save wrote, per sampled rank:
+    ``load_prepared_metadata`` + ``check_compatible`` (what ``AsyncCheckpointer`` runs) + the
+    first ``plan_reuse`` (reads this rank's section and any directory buckets) + the layout guard,
+    and the pickle of what the trainer sends its worker; the coordinator also reads the template
+    (or adopts the create save's, in the same job) and publishes per save."""
+    from solosave._layout import check_layout
+    from solosave._plan import LocalPlan
+    from solosave._prepared import load_prepared_metadata
+    from solosave._publish import publish_metadata
+
+    per_rank, reads, sent, plans = [], [], [], []
     for r, (held, results) in samples.items():
         local = LocalPlan(list(held), {}, {})
         written = {k for k, *_ in results}
+        t0 = time.perf_counter()
+        pm = load_prepared_metadata(prepared_path)
+        pm.check_compatible(world, workers)
+        reuse, to_stage = pm.plan_reuse(local, r)
+        per_rank.append(time.perf_counter() - t0)
+        reads.append(pm.bytes_read)
+        sent.append(len(_dumps(pm)))
         reps = []
         for _ in range(5):
             t0 = time.perf_counter()
             reuse, to_stage = pm.plan_reuse(local, r)
             drifts = check_layout(reuse.placed(), results)
             reps.append(time.perf_counter() - t0)
-            if reuse.drift or drifts or {s.key for s in to_stage} != written:
-                raise RuntimeError(f"reuse planning drifted at W={world} rank {r}: "
-                                   f"{list(reuse.drift)[:3] or drifts[:3] or 'staged items differ'}")
-        per_rank.append(statistics.median(reps))
-    out["t_reuse_rank_plan_and_guard"] = max(per_rank)
-    shutil.rmtree(ckpt, ignore_errors=True)
+        if reuse.drift or drifts or {s.key for s in to_stage} != written:
+            raise RuntimeError(f"reuse planning drifted at W={world} rank {r}: "
+                               f"{list(reuse.drift)[:3] or drifts[:3] or 'staged items differ'}")
+        plans.append(statistics.median(reps))
+    out["startup_s_per_rank"] = max(per_rank)
+    out["startup_read_bytes_per_rank"] = max(reads)
+    out["startup_sampled_ranks"] = sorted(samples)
+    out["worker_prepared_bytes"] = max(sent)
+    out["t_prepared_index_once"] = max(per_rank)
+    out["t_reuse_rank_plan_and_guard"] = max(plans)
+    coord = load_prepared_metadata(prepared_path)
+    tpl, out["t_template_once"] = _timed(lambda: coord.template)
+    out["coordinator_startup_read_bytes"] = coord.bytes_read
+    adopted, out["t_template_after_create"] = _timed(
+        lambda: load_prepared_metadata(prepared_path).adopt_template(*made))
+    if not adopted:
+        raise RuntimeError(f"the create save's template was not adopted at W={world}")
+    reuse_dir = prepared_path + ".reuse"
+    os.makedirs(reuse_dir, exist_ok=True)
+    pubs = []
+    for _ in range(3):
+        _, t = _timed(lambda: publish_metadata(reuse_dir, tpl.render(reuse_dir), fsync=True))
+        pubs.append(t)
     shutil.rmtree(reuse_dir, ignore_errors=True)
-    pm = tpl = None  # free it (a large object)
-    gc.collect()
-    return out
+    out["t_reuse_publish"] = out["reuse_publish_s"] = statistics.median(pubs)
+    out["reduce_levels"] = math.ceil(math.log2(world)) if world > 1 else 0
+    out["t_reuse_reduce_modelled"] = out["reduce_levels"] * REDUCE_MODEL_S
+    out["reuse_coordinator_s"] = out["t_reuse_publish"] + out["t_reuse_reduce_modelled"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,7 +506,7 @@ def run_scale(cfg: Json, progress: Any) -> Json:
                     "solosave": [], "dcp": []}
     scratch = tempfile.mkdtemp(prefix="solosave-scale-", dir=cfg.get("scratch"))
     try:
-        for w in world_sizes(cfg["max_w"]):
+        for w in cfg.get("world_sizes") or world_sizes(cfg["max_w"]):
             progress.step(f"scale W={w} solosave")
             try:
                 report["solosave"].append(simulate_solosave(structure, w, cfg["workers"], scratch))
@@ -507,8 +528,29 @@ def run_scale(cfg: Json, progress: Any) -> Json:
 
 
 def scale_steps(cfg: Json) -> int:
-    ws = world_sizes(cfg["max_w"])
+    ws = cfg.get("world_sizes") or world_sizes(cfg["max_w"])
     return len(ws) + sum(1 for w in ws if w <= cfg["dcp_max_w"])
 
 
-__all__ = ["llama_like", "run_scale", "shard_dim0", "simulate_dcp", "simulate_solosave", "world_sizes"]
+#: The figures of issue #15, per world size (``python -m benchmarks --json``).
+SUMMARY_FIELDS = ("startup_read_bytes_per_rank", "startup_s_per_rank", "create_save_s", "reuse_publish_s",
+                  "load_metadata_s_per_rank", "load_read_bytes_per_rank", "worker_prepared_bytes",
+                  "coordinator_startup_read_bytes", "t_template_once", "t_finish_publish", "metadata_bytes",
+                  "prepared_file_bytes", "startup_sampled_ranks")
+
+
+def scale_summary(report: Json) -> list[Json]:
+    """One row per simulated world size: the fields of ``SUMMARY_FIELDS`` (and stock DCP's
+    coordinator total where it was simulated)."""
+    dcp = {r["world"]: r for r in report.get("dcp", [])}
+    rows = []
+    for s in report.get("solosave", []):
+        row = {"world_size": s["world"], **{k: s[k] for k in SUMMARY_FIELDS if k in s}}
+        if s["world"] in dcp:
+            row["dcp_create_save_s"] = dcp[s["world"]]["coordinator_total_s"]
+            row["dcp_load_metadata_s_per_rank"] = dcp[s["world"]]["t_load_unpickle"]
+        rows.append(row)
+    return rows
+
+
+__all__ = ["llama_like", "run_scale", "scale_summary", "shard_dim0", "simulate_dcp", "simulate_solosave", "world_sizes"]

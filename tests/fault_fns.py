@@ -8,6 +8,7 @@ the worker process installed by that writer); solosave itself has no fault switc
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import time
@@ -166,7 +167,7 @@ class _BlockingOs:
 
 
 def _install_blocking_replace(dst: str, marker: str, block_s: float) -> None:
-    import solosave._publish as publish
+    import solosave._storage as publish  # where atomic_write (temp file, fsync, rename) lives
 
     if not isinstance(publish.os, _BlockingOs):
         publish.os = _BlockingOs(os, dst, marker, block_s)
@@ -489,7 +490,9 @@ def bad_prepared_files(rank: int, ws: int, root: str, timeout: float) -> dict:
     variants = {
         "truncated": good[: len(good) // 2],
         "corrupt": good[: len(good) // 2] + bytes(b ^ 0x5A for b in good[len(good) // 2:]),
-        "unsafe": good[: good.index(b"}\n") + 2] + pickle.dumps(_Evil(), protocol=2),
+        # a format-1 file (still accepted) whose metadata pickle would run a command
+        "unsafe": b"SOLOSAVE-PREPARED\n1\n" + json.dumps({"world_size": ws, "workers": 1, "structure_hash": "x"}
+                                                          ).encode() + b"\n" + pickle.dumps(_Evil(), protocol=2),
         "empty": b"",
     }
     if rank == 0:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import solosave
-from support import assert_equal
+from support import assert_equal, dcp_save_local
 from support import fresh as _fresh
 from support import zeros_like as zeros_like_sd
 
@@ -305,11 +305,11 @@ def load_reads_metadata_once(rank, ws, root):
 
     sd = {"w": torch.arange(8.0), "step": 7}
     if rank == 0:
-        dcp.save(sd, checkpoint_id=os.path.join(root, "ck"), no_dist=True)
+        dcp_save_local(sd, checkpoint_id=os.path.join(root, "ck"))
     dist.barrier()
     calls = []
     real = _load.read_metadata_bytes
-    _load.read_metadata_bytes = lambda p: calls.append(p) or real(p)  # test-only counting
+    _load.read_metadata_bytes = lambda p, *a, **k: calls.append(p) or real(p, *a, **k)  # test-only counting
     try:
         target = {"w": torch.zeros(8), "step": 0}
         solosave.load(target, os.path.join(root, "ck"))

@@ -215,3 +215,15 @@ def can_mount_private_tmpfs() -> bool:
                 except (OSError, subprocess.SubprocessError):
                     _TMPFS_OK = False
     return _TMPFS_OK
+
+
+def dcp_save_local(state_dict: Any, **kwargs: Any) -> None:
+    """Stock ``dcp.save`` in one process without a process group (``no_dist=True`` where this
+    torch has the flag; older ones, e.g. 2.6, infer it)."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    if "no_dist" in inspect.signature(dcp.save).parameters:
+        kwargs["no_dist"] = True
+    dcp.save(state_dict, **kwargs)

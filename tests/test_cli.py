@@ -4,15 +4,15 @@ import sys
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from solosave.cli import main
+from support import dcp_save_local
 
 
 @pytest.fixture()
 def ckpt(tmp_path):
     d = tmp_path / "ck"
-    dcp.save({"w": torch.ones(3, 2), "step": 4}, checkpoint_id=str(d), no_dist=True)
+    dcp_save_local({"w": torch.ones(3, 2), "step": 4}, checkpoint_id=str(d))
     return d
 
 

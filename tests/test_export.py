@@ -9,12 +9,11 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import solosave
 from solosave import _export
 from solosave.cli import main
-from support import run_ranks
+from support import dcp_save_local, run_ranks
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
@@ -55,7 +54,7 @@ def _same_bits(a, b):
 @pytest.fixture()
 def ckpt(tmp_path):
     d = tmp_path / "ck"
-    dcp.save(_state(), checkpoint_id=str(d), no_dist=True)
+    dcp_save_local(_state(), checkpoint_id=str(d))
     return d
 
 
@@ -100,7 +99,7 @@ def test_torch_format_keeps_every_value(ckpt, tmp_path):
 def test_sharding_and_index_match_hugging_face(tmp_path):
     sd = {"a": torch.ones(100), "b": torch.full((100,), 2.0), "c": torch.full((100,), 3.0),
           "d": torch.arange(300, dtype=torch.float32), "e": torch.ones(10, dtype=torch.int16)}
-    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    dcp_save_local(sd, checkpoint_id=str(tmp_path / "ck"))
     rep = solosave.export(tmp_path / "ck", tmp_path / "out", max_shard_size="1KB")  # 1000 bytes
     # a+b = 800 bytes; c would take that past 1000 -> new shard; d (1200 bytes, over the limit)
     # alone; e (20 bytes) would take d's shard further past it -> a shard of its own
@@ -161,7 +160,7 @@ def test_prefix_and_keys_select_and_rename(ckpt, tmp_path):
 
 def test_unsupported_dtype_is_reported_not_dropped_silently(tmp_path):
     sd = {"z": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex128), "w": torch.ones(2)}
-    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    dcp_save_local(sd, checkpoint_id=str(tmp_path / "ck"))
     rep = solosave.export(tmp_path / "ck", tmp_path / "st")
     assert [k for k, _ in rep.skipped] == ["z"] and "complex128" in rep.skipped[0][1]
     solosave.export(tmp_path / "ck", tmp_path / "pt", format="torch")
@@ -290,7 +289,7 @@ class Evil:
 
 def test_a_record_that_would_run_code_is_never_executed(tmp_path):
     marker = tmp_path / "pwned"
-    dcp.save({"x": Evil(str(marker)), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    dcp_save_local({"x": Evil(str(marker)), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "ck"))
     rep = solosave.export(tmp_path / "ck", tmp_path / "st")  # safetensors never unpickles records
     assert [k for k, _ in rep.skipped] == ["x"]
     with pytest.raises(solosave.UnsafeMetadataError, match="'x'"):
@@ -305,7 +304,7 @@ def test_a_record_that_would_run_code_is_never_executed(tmp_path):
 def test_peak_memory_is_about_one_shard(tmp_path):
     mib = 1 << 20
     sd = {f"layer{i}": torch.full((2 * mib,), float(i)) for i in range(12)}  # 12 x 8 MiB = 96 MiB
-    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    dcp_save_local(sd, checkpoint_id=str(tmp_path / "ck"))
     del sd
     script = textwrap.dedent(f"""
         import solosave, torch

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 import fault_fns as F
 import solosave
-from support import run_ranks, run_ranks_tolerant, wait_until
+from support import dcp_save_local, run_ranks, run_ranks_tolerant, wait_until
 
 TIMEOUT = 20.0  # the checkpointer's timeout in these tests (bounds every wait and collective)
 BOUND = TIMEOUT + 5.0  # an error must reach every rank within this
@@ -152,7 +152,7 @@ def test_atomic_write_killed_in_its_window(tmp_path, case_log, point, existing):
     t0 = time.monotonic()
     ck = tmp_path / "ck"
     sd = {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
-    dcp.save(sd, checkpoint_id=str(ck), no_dist=True)
+    dcp_save_local(sd, checkpoint_id=str(ck))
     old = (ck / ".metadata").read_bytes()
     if not existing:
         os.unlink(ck / ".metadata")

@@ -15,11 +15,10 @@ import time
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import fault_fns as F
 import solosave
-from support import run_ranks
+from support import dcp_save_local, run_ranks
 
 TIMEOUT = 20.0
 
@@ -104,7 +103,7 @@ def test_checkpoint_metadata_that_would_execute_code(tmp_path, case_log):
     t0 = time.monotonic()
     ck = tmp_path / "ck"
     sd = {"w": torch.arange(6.0), "step": 3}
-    dcp.save(sd, checkpoint_id=str(ck), no_dist=True)
+    dcp_save_local(sd, checkpoint_id=str(ck))
     marker = tmp_path / "pwned"
 
     class Evil:

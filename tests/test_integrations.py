@@ -7,10 +7,10 @@ import threading
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from solosave import integrations as it
 from solosave._retention import remove_checkpoint
+from support import dcp_save_local
 
 
 def parse(*argv):
@@ -21,7 +21,7 @@ def parse(*argv):
 
 def make_ckpt(save_dir, step, published=True):
     d = it.checkpoint_dir(save_dir, step)
-    dcp.save({"step": step, "w": torch.full((2,), float(step))}, checkpoint_id=d, no_dist=True)
+    dcp_save_local({"step": step, "w": torch.full((2,), float(step))}, checkpoint_id=d)
     if not published:
         os.remove(os.path.join(d, ".metadata"))
     return d
@@ -111,7 +111,7 @@ class FakeCheckpointer:
         if step in self.fail_steps:
             os.makedirs(path, exist_ok=True)  # partial: data without .metadata
             return FakeHandle(path, CheckpointError("boom", {1: "OSError: EIO"}))
-        dcp.save(state_dict, checkpoint_id=path, no_dist=True)
+        dcp_save_local(state_dict, checkpoint_id=path)
         return FakeHandle(path)
 
     def close(self):

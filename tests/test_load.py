@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import rank_fns
-from support import run_ranks
+from support import dcp_save_local, run_ranks
 
 
 @pytest.mark.timeout(120)
@@ -38,12 +38,11 @@ class Point:
 
 
 def test_a_record_that_would_run_code_is_refused_and_runs_nothing(tmp_path, case_log):
-    import torch.distributed.checkpoint as dcp
 
     import solosave
 
     marker = tmp_path / "pwned"
-    dcp.save({"x": Evil(str(marker)), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    dcp_save_local({"x": Evil(str(marker)), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "ck"))
     with pytest.raises(solosave.UnsafeMetadataError, match="refusing to load the record of 'x'"):
         solosave.load({"x": None, "w": torch.zeros(2)}, tmp_path / "ck")
     assert not marker.exists()
@@ -52,11 +51,10 @@ def test_a_record_that_would_run_code_is_refused_and_runs_nothing(tmp_path, case
 
 
 def test_own_types_load_when_allowed(tmp_path):
-    import torch.distributed.checkpoint as dcp
 
     import solosave
 
-    dcp.save({"p": Point(3, 4)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    dcp_save_local({"p": Point(3, 4)}, checkpoint_id=str(tmp_path / "ck"))
     with pytest.raises(solosave.UnsafeMetadataError, match="safe_globals"):
         solosave.load({"p": None}, tmp_path / "ck")
     sd = {"p": None}
@@ -68,12 +66,10 @@ def test_own_types_load_when_allowed(tmp_path):
 def test_storage_paths_outside_the_checkpoint_are_refused(tmp_path, case_log, where):
     import pickle
 
-    import torch.distributed.checkpoint as dcp
-
     import solosave
 
     ck = tmp_path / "ck"
-    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(ck), no_dist=True)
+    dcp_save_local({"w": torch.arange(4.0)}, checkpoint_id=str(ck))
     (tmp_path / "outside.distcp").write_bytes(b"\0" * 4096)
     md = pickle.loads((ck / ".metadata").read_bytes())
     for info in md.storage_data.values():
@@ -88,3 +84,42 @@ def test_storage_paths_outside_the_checkpoint_are_refused(tmp_path, case_log, wh
     case_log(f"a .metadata naming data file {where!r}",
              "solosave.load raises CorruptCheckpointError before reading anything (no size of the "
              "named file in the message); solosave verify reports it")
+
+
+# -- the read path across world sizes (issue 14) ---------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_resharded_loads_are_bit_exact_at_every_world_size(tmp_path, case_log):
+    import load_fns
+    import solosave
+
+    run_ranks(load_fns.save_sharded, 2, str(tmp_path), timeout=100)
+    for rank, r in enumerate(run_ranks(load_fns.load_resharded, 3, str(tmp_path), timeout=100)):
+        for how, ok in r.items():
+            assert all(ok.values()), (rank, how, ok)
+    want = load_fns.full_tensors()
+    for src in ("solo", "stock"):  # W=1: one process, no process group
+        sd = {k: torch.zeros_like(v) for k, v in want.items()} | {"step": 0}
+        solosave.load(sd, tmp_path / src)
+        assert all(torch.equal(sd[k], v) for k, v in want.items()) and sd["step"] == 41, src
+    case_log("DTensor shards saved at W=2 (solosave and stock DCP), loaded at W=3 along other "
+             "dimensions and at W=1 in one process", "solosave.load and stock DCP load them bit for bit")
+
+
+@pytest.mark.timeout(120)
+def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
+    import load_fns
+
+    out = run_ranks(load_fns.errors_agree, 2, str(tmp_path), timeout=100)
+    assert out[0] == out[1], out
+    shape, truncated = out[0]
+    assert shape.startswith("ValueError") and "Size mismatch" in shape
+    assert truncated.startswith("CorruptCheckpointError") and "__1_0.distcp" in truncated
+
+
+@pytest.mark.timeout(120)
+def test_a_planner_with_its_own_global_step_gets_dcps_collective_load(tmp_path):
+    import load_fns
+
+    out = run_ranks(load_fns.custom_planner_loads, 2, str(tmp_path), timeout=100)
+    assert out == [{"calls": [2], "ok": True}, {"calls": [], "ok": True}]  # on rank 0, with both plans

@@ -8,12 +8,13 @@ import torch.distributed.checkpoint as dcp
 import solosave
 from solosave._options import CheckpointerOptions
 from solosave._publish import MetadataTemplate, atomic_write
+from support import dcp_save_local
 
 
 @pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("ck")
-    dcp.save({"w": torch.randn(4, 4), "step": 3, "l": [1, 2]}, checkpoint_id=str(d), no_dist=True)
+    dcp_save_local({"w": torch.randn(4, 4), "step": 3, "l": [1, 2]}, checkpoint_id=str(d))
     return d
 
 
@@ -40,17 +41,15 @@ def test_roundtrip_and_fingerprint_mismatch(ckpt_dir, tmp_path):
         q.check_compatible(2, 3)
 
 
-def test_structure_tampering_detected(ckpt_dir, tmp_path):
+def test_structure_tampering_detected_in_a_version_1_file(ckpt_dir, tmp_path):
+    from solosave._prepared import prepared_fingerprint, write_prepared_file
+
     md = solosave.load_prepared_metadata(ckpt_dir).metadata
-    p = solosave.PreparedMetadata.from_metadata(md, world_size=1, workers=1)
     path = tmp_path / "prep.md"
-    solosave.save_prepared_metadata(p, path)
     md2 = pickle.loads(pickle.dumps(md))
     k = next(iter(md2.storage_data))
     md2.storage_data[k].length += 1
-    raw = path.read_bytes()
-    hdr = raw[: raw.index(b"}\n") + 2]
-    path.write_bytes(hdr + pickle.dumps(md2, protocol=2))
+    write_prepared_file(path, prepared_fingerprint(md, 1, 1), pickle.dumps(md2, protocol=2))
     with pytest.raises(solosave.FingerprintMismatchError, match="structure"):
         solosave.load_prepared_metadata(path).check_compatible(1, 1)
 
@@ -188,3 +187,135 @@ def test_prepared_adopts_the_coordinators_template_only_for_its_publication(ckpt
 
     save_prepared_metadata(pm, solosave_path)
     assert load_prepared_metadata(solosave_path).metadata == loaded.metadata
+
+
+# -- format version 2: sections ----------------------------------------------------------------
+
+def _sharded_prepared(world=8, tensors=3, workers=2):
+    """A prepared metadata of ``tensors`` row-sharded tensors over ``world`` ranks (made from
+    write results, as a create save makes it)."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from solosave._publish import MetadataTemplate as Tpl
+    from solosave._sections import prepared_from_results
+
+    sdm, by_rank = {}, [[] for _ in range(world)]
+    for t in range(tensors):
+        fqn = f"model.t{t}"
+        chunks = [ChunkStorageMetadata(torch.Size([r * 2, 0]), torch.Size([2, 3])) for r in range(world)]
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * world, 3]), chunks)
+        for r in range(world):
+            by_rank[r].append(((fqn, (r * 2, 0)), f"__{r}_{t % workers}.distcp", 100 * (t // workers), 100))
+    from solosave._layout import build_metadata
+
+    md = build_metadata(sdm, [row for rows in by_rank for row in rows], {})
+    blob = prepared_from_results(sdm, by_rank, Tpl(md), ("/ck", "sid-1"),
+                                 {"world_size": world, "workers": workers, "torch_version": "x"})
+    return blob, md
+
+
+def test_v2_round_trip_and_per_rank_reads_touch_only_header_and_own_section(tmp_path):
+    from solosave._plan import LocalPlan
+    from solosave._protocol import ItemKind, ItemSpec
+    from solosave._sections import FileSource, SectionReader
+
+    blob, md = _sharded_prepared(world=64)
+    path = tmp_path / "p.prepared"
+    path.write_bytes(blob)
+    pm = solosave.load_prepared_metadata(path)
+    head = pm.bytes_read
+    structure = pm._reader.header["structure"][1]
+    # the magic and the first block (header), its length checked (2 bytes), the structure section
+    assert head <= 4096 + 32 + 2 + structure
+    pm.check_compatible(64, 2)
+    assert pm.bytes_read == head  # the fingerprint and counts are in the header
+    files = pm.rank_files(5)
+    assert [rel for rel, _ in files] == ["__5_0.distcp", "__5_1.distcp"]
+    assert [p.key for _, items in files for p in items] == [("model.t0", (10, 0)), ("model.t2", (10, 0)),
+                                                            ("model.t1", (10, 0))]
+    specs = [ItemSpec(f"model.t{t}", ItemKind.TENSOR, (10, 0), (2, 3), (128, 3), "float32", 24) for t in range(3)]
+    reuse, staged = pm.plan_reuse(LocalPlan(specs, {}, {}), 5)
+    assert not reuse.drift and {s.key for s in staged} == {s.key for s in specs}
+    read = pm.bytes_read
+    assert read < len(blob) / 10  # header + one table entry + own section + structure
+    # the whole metadata still comes back (tools), and publishes what stock DCP reads
+    assert pm.metadata.storage_data == md.storage_data
+    assert pickle.loads(pm.template.render("/x", "s")).storage_meta.checkpoint_id == "/x"
+    # a reader over a counting source reads nothing of other ranks' sections
+    src = FileSource(path)
+    r = SectionReader(src)
+    r.rank_layout(63)
+    assert src.bytes_read < 4096 + 16 + 2 + structure + 2000
+    # pickled for the worker: a reference, not the sections
+    assert len(pickle.dumps(pm)) < 2000
+    again = pickle.loads(pickle.dumps(pm))
+    assert again.rank_files(5) == files and again.fingerprint == pm.fingerprint
+
+
+def test_v2_reuse_plan_finds_items_written_by_other_ranks_in_the_directory(tmp_path):
+    from solosave._plan import LocalPlan
+    from solosave._protocol import ItemKind, ItemSpec
+
+    blob, _ = _sharded_prepared(world=16)
+    from solosave._sections import BytesSource, SectionReader
+
+    pm = solosave.PreparedMetadata(SectionReader(BytesSource(blob)))
+    mine = ItemSpec("model.t0", ItemKind.TENSOR, (0, 0), (2, 3), (32, 3), "float32", 24)
+    replica = ItemSpec("model.t1", ItemKind.TENSOR, (6, 0), (2, 3), (32, 3), "float32", 24, owner=False)
+    moved = ItemSpec("model.t2", ItemKind.TENSOR, (1, 0), (2, 3), (32, 3), "float32", 24, owner=False)
+    reuse, _ = pm.plan_reuse(LocalPlan([mine, replica], {}, {}), 0)
+    assert reuse.drift == ("model.t2: prepared on this rank but not in its state dict",  # file __0_0
+                           "model.t1: prepared on this rank but not in its state dict")  # file __0_1
+    assert pm.spec_matches(replica) is None  # placed on rank 3: found through its bucket
+    assert "resharded" in pm.spec_matches(moved)
+    assert "a new item" in pm.spec_matches(ItemSpec("model.new", ItemKind.BYTES))
+
+
+@pytest.mark.parametrize("where", ["header", "table", "section", "truncated"])
+def test_v2_corrupt_or_truncated_sections_give_clear_errors(tmp_path, where):
+    blob, _ = _sharded_prepared(world=8)
+    data = bytearray(blob)
+    body = blob.index(b"\n", len(b"SOLOSAVE-PREPARED\n2\n")) + 1
+    if where == "header":
+        data[body - 10] ^= 0xFF
+    elif where == "table":
+        data[body + 16 * 3 + 9] ^= 0xFF  # rank 3's length
+    elif where == "section":
+        data[-50] ^= 0xFF  # in the last directory bucket, or the last rank section
+    else:
+        data = data[: len(data) - 400]
+    path = tmp_path / "bad"
+    path.write_bytes(bytes(data))
+    with pytest.raises(solosave.PreparedMetadataError, match="corrupt|truncated"):
+        pm = solosave.load_prepared_metadata(path)
+        for r in range(8):
+            pm.rank_files(r)
+        for t in range(3):
+            for r in range(8):
+                pm.placed((f"model.t{t}", (2 * r, 0)))
+
+
+def test_v1_file_and_plain_metadata_convert_to_the_same_layout(ckpt_dir, tmp_path):
+    from solosave._prepared import prepared_fingerprint, write_prepared_file
+
+    md = solosave.load_prepared_metadata(ckpt_dir).metadata
+    v1 = tmp_path / "v1.prepared"
+    write_prepared_file(v1, prepared_fingerprint(md, 1, 1), pickle.dumps(md, protocol=2))
+    a = solosave.load_prepared_metadata(v1)
+    b = solosave.load_prepared_metadata(ckpt_dir)
+    a.check_compatible(1, 1)
+    assert a.fingerprint.world_size == 1 and a.fingerprint.format_version == 2
+    assert a.rank_files(0) == b.rank_files(0) and a.metadata == b.metadata
+    # `solosave prepare` converts to version 2, read by sections
+    out = tmp_path / "v2.prepared"
+    solosave.save_prepared_metadata(a, out)
+    assert out.read_bytes().startswith(b"SOLOSAVE-PREPARED\n2\n")
+    c = solosave.load_prepared_metadata(out)
+    assert c.rank_files(0) == a.rank_files(0) and c.fingerprint == a.fingerprint
+    (tmp_path / "v9").write_bytes(b"SOLOSAVE-PREPARED\n9\n{}\n")
+    with pytest.raises(solosave.FingerprintMismatchError, match="reads 1 and 2"):
+        solosave.load_prepared_metadata(tmp_path / "v9")

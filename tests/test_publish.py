@@ -12,13 +12,14 @@ from solosave._format import METADATA_FILE
 from solosave._layout import build_metadata
 from solosave._protocol import ItemKind, ItemSpec
 from solosave._publish import MetadataTemplate, publish_metadata
+from support import dcp_save_local
 
 
 def _checkpoint(tmp_path):
     """A stock DCP checkpoint of two tensors; its Metadata rebuilt by solosave's layout code."""
     d = tmp_path / "ck"
     sd = {"a": torch.arange(8, dtype=torch.float32), "b": torch.ones(2, 3)}
-    dcp.save(sd, checkpoint_id=str(d), no_dist=True)
+    dcp_save_local(sd, checkpoint_id=str(d))
     stock = FileSystemReader(str(d)).read_metadata()
     specs = [ItemSpec(k, ItemKind.TENSOR, (0,) * v.dim(), tuple(v.shape), tuple(v.shape), "float32", v.numel() * 4)
              for k, v in sd.items()]

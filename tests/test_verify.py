@@ -6,17 +6,17 @@ import zlib
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import solosave
 from solosave._format import checksum_path
 from solosave._write import FileWriter, Record
+from support import dcp_save_local
 
 
 @pytest.fixture()
 def ckpt(tmp_path):
     d = tmp_path / "ck"
-    dcp.save({"a": torch.arange(1000.0), "b": torch.ones(64, 64), "step": 3}, checkpoint_id=str(d), no_dist=True)
+    dcp_save_local({"a": torch.arange(1000.0), "b": torch.ones(64, 64), "step": 3}, checkpoint_id=str(d))
     return d
 
 
@@ -87,8 +87,8 @@ def test_writer_from_main_script_is_refused_for_the_worker_process():
 def test_a_metadata_of_another_layout_is_noticed(ckpt, tmp_path, case_log):
     # a prepared file (or any .metadata) of another layout copied over a checkpoint's own
     other = tmp_path / "other"
-    dcp.save({"a": torch.arange(1000.0), "b": torch.ones(64, 64), "step": "x" * 3000},
-             checkpoint_id=str(other), no_dist=True)
+    dcp_save_local({"a": torch.arange(1000.0), "b": torch.ones(64, 64), "step": "x" * 3000},
+             checkpoint_id=str(other))
     (ckpt / ".metadata").write_bytes((other / ".metadata").read_bytes())
     rep = solosave.verify_checkpoint(ckpt)
     assert not rep.ok and any(".metadata does not describe this file" in p for p in rep.problems), rep.problems

@@ -2,7 +2,8 @@
 # Core tests on other torch versions (`make test-torch-versions`; not in CI: each venv is a
 # CUDA build of several GB). Usage: tools/torch_versions.sh [VERSION ...] (default: the newest
 # and the oldest version the package claims). Writes a summary line per version to
-# bench-out/torch-versions.txt; exit status 1 if any version failed.
+# bench-out/torch-versions.txt (replacing that version's earlier line) and the full pytest output
+# to bench-out/torch-<version>.log; exit status 1 if any version failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VERSIONS=("$@")
@@ -12,7 +13,8 @@ CORE="tests/test_records.py tests/test_structure.py tests/test_stage.py tests/te
       tests/test_checkpointer.py"
 mkdir -p bench-out
 out=bench-out/torch-versions.txt
-: > "$out"
+touch "$out"
+for v in "${VERSIONS[@]}"; do sed -i "/^torch $v: /d" "$out"; done
 status=0
 for v in "${VERSIONS[@]}"; do
   venv=".venv-torch-$v"

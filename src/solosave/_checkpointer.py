@@ -41,6 +41,7 @@ from ._protocol import ChannelSpec, EngineSettings, ErrorKind, JobOutcome, SaveJ
 from ._result import PhaseTimings, SaveResult, error_of
 from ._session import SaveSession, normalize_directory
 from ._stage import Staging
+from ._storage import check_local_path, check_url_destination, is_url, join, path_exists
 from ._worker import ProcessTransport, ThreadTransport
 from ._write import FileWriter
 
@@ -162,6 +163,7 @@ class AsyncCheckpointer:
         self._inflight: SaveHandle | None = None
         self._closed = False
         self._submit_error: BaseException | None = None
+        self._known_buckets: set[str] = set()  # URL destinations whose bucket was seen to exist
         self._res = _Resources()
         self._res.session = SaveSession(self.rank, self.world_size, self.options, self._initial_prepared())
         self._finalizer = weakref.finalize(self, self._res.release, 5.0)
@@ -169,7 +171,7 @@ class AsyncCheckpointer:
 
     def _start_background(self, writer: FileWriter | None) -> None:
         o = self.options
-        settings = EngineSettings(o.workers, o.on_layout_drift, o.prepared_path)
+        settings = EngineSettings(o.workers, o.on_layout_drift, o.prepared_path, o.storage_options)
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
         if o.persistent_worker:
             spec = ChannelSpec(host, port, prefix, self.rank, self.world_size, float(o.timeout))
@@ -194,15 +196,16 @@ class AsyncCheckpointer:
         elif isinstance(pm, Metadata):
             prepared = PreparedMetadata.from_metadata(pm, source="prepared_metadata object")
         else:
-            if not os.path.exists(pm):
+            if not path_exists(pm, o.storage_options):
                 if o.create_prepared_metadata:
                     return None
                 raise PreparedMetadataError(
                     f"prepared metadata file {os.fspath(pm)!r} does not exist; pass "
                     "create_prepared_metadata=True to create it on the first save, or run "
                     "`solosave prepare --from <checkpoint> --out <file>`")
-            prepared = load_prepared_metadata(pm)
+            prepared = load_prepared_metadata(pm, storage_options=o.storage_options)
         prepared.check_compatible(self.world_size, o.workers)
+        prepared.rank_files(self.rank)  # this rank's section, read and checked now (not at the first save)
         return prepared
 
     @property
@@ -284,6 +287,10 @@ class AsyncCheckpointer:
     def _check_destination(self, path: str | os.PathLike, overwrite: bool) -> str:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        if is_url(path):  # never through pathlib (it would make s3://b/x the local s3:/b/x)
+            return check_url_destination(path, overwrite, self.options.storage_options,  # type: ignore[arg-type]
+                                         self._known_buckets)
+        check_local_path(path)
         p = Path(path)
         if any(len(os.fsencode(part)) > 255 for part in p.parts):
             raise ValueError(f"destination {os.fspath(p)!r} has a name longer than 255 bytes, the "
@@ -380,7 +387,10 @@ class AsyncCheckpointer:
 
     def _settle_abandoned(self, h: SaveHandle, t: float) -> None:
         late = [o for o in self._transport.leftover if o.seq == h.seq]
-        published = os.path.exists(os.path.join(h.path, METADATA_FILE))
+        try:
+            published = path_exists(join(h.path, METADATA_FILE), self.options.storage_options)
+        except Exception:  # noqa: BLE001 - storage unreachable: reported as not published
+            published = False
         h._set(late[0] if late else JobOutcome(
             h.seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED, published=published, failures={
                 self.rank: f"abandoned by close(): the save did not finish within {t:g} s "

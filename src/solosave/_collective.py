@@ -15,20 +15,20 @@ Who calls what, in order (every rank runs :func:`run_collective` for the same jo
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import uuid
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from torch.distributed.checkpoint.metadata import StorageMeta
+import torch
 
 from ._coordinate import OutOfStep
 from ._errors import describe
 from ._format import METADATA_FILE, file_name
 from ._global_plan import GlobalPlan, global_plan
-from ._layout import bucket_items, finish_metadata
-from ._prepared import prepared_fingerprint, write_prepared_file
+from ._layout import bucket_items, gc_paused
+from ._metadata_pickle import metadata_template
+from ._prepared import PreparedMetadata, open_sectioned, write_prepared_bytes
 from ._protocol import (
     ErrorKind,
     FinishNotice,
@@ -43,10 +43,11 @@ from ._protocol import (
     WriteResult,
     narrow,
     pack_specs,
-    result_keys,
 )
-from ._publish import MetadataTemplate
+from ._results import ChunkTable, prepared_from_columns, result_columns
+from ._sections import BytesSource, SectionReader
 from ._status import same_save
+from ._storage import basename, storage_for
 from ._write import bytes_slot
 
 if TYPE_CHECKING:  # the engine calls this module; it is only named here
@@ -150,36 +151,49 @@ def finish(engine: Engine, job: SaveJob, plan: GlobalPlan, reports: list[WriteRe
     if failures:
         return FinishNotice(failures, None, False)
     try:
-        md = finish_metadata(plan.state_dict_metadata,
-                             [row for rep in reports for row in result_keys(rep.results)], plan.planner_data)
-        template = MetadataTemplate(md)
+        sdm = plan.state_dict_metadata
         save_id = str(uuid.uuid4())
-        data = template.render(os.fspath(job.directory), save_id)
-        prepared = None
-        engine.made_template = None
-        if job.make_prepared or job.mode is Mode.REUSE:
-            # What every rank reuses: exactly the bytes about to be published (same save_id), so
-            # the coordinator's next reuse save adopts this template instead of re-pickling.
-            prepared = dataclasses.replace(md, storage_meta=StorageMeta(os.fspath(job.directory), save_id))
-            engine.made_template = (save_id, template)
-            _persist_prepared(engine, prepared, data)
+        engine.made_template = prepared = None
+        with gc_paused():  # columns, not objects: see _results and _metadata_pickle
+            table = plan.chunks or ChunkTable.from_metadata(sdm)
+            results = result_columns(table, sdm, [rep.results for rep in reports])
+            template = metadata_template(sdm, plan.planner_data, table, results)
+            data = template.render(os.fspath(job.directory), save_id)
+            blob = None
+            if job.make_prepared or job.mode is Mode.REUSE:
+                # What every rank reuses: the layout of exactly the bytes about to be published
+                # (same save_id), so the coordinator's next reuse save adopts this template.
+                engine.made_template = (save_id, template)
+                blob = prepared_from_columns(sdm, table, results, template, (os.fspath(job.directory), save_id),
+                                             {"world_size": engine.world_size, "workers": engine.workers,
+                                              "torch_version": torch.__version__})
+        if blob is not None:
+            prepared = _persist_prepared(engine, blob)
         engine.publish(job, data, timings)
         return FinishNotice({}, prepared, True)
     except Exception as e:  # noqa: BLE001 - reported to every rank
         return FinishNotice({engine.rank: f"publishing failed: {describe(e)}"}, None, False)
 
 
-def _persist_prepared(engine: Engine, prepared: Any, data: bytes) -> None:
-    """Write the prepared file (create mode, refresh after a drift), never into a checkpoint."""
-    path = engine.settings.prepared_path
+def _persist_prepared(engine: Engine, blob: bytes) -> PreparedMetadata:
+    """Write the prepared file (create mode, refresh after a drift), never into a checkpoint.
+    Returns what every rank receives: a reference to that file (each rank reads its own section
+    from it), or, when it is not written, the prepared metadata itself (in memory)."""
+    path, options = engine.settings.prepared_path, engine.settings.storage_options
+    in_memory = PreparedMetadata(SectionReader(BytesSource(blob, "created in memory")))
     if not path:
-        return
-    if os.path.basename(path) == METADATA_FILE or os.path.isdir(path):
-        engine.warnings.append(f"the prepared metadata came from checkpoint {path}, which is never written "
-                               "into; the refreshed prepared metadata is kept in memory")
-        return
-    try:  # `data` is the protocol-2 pickle of `prepared`: stored as is
-        write_prepared_file(path, prepared_fingerprint(prepared, engine.world_size, engine.workers), data)
+        return in_memory
+    try:
+        if basename(path) == METADATA_FILE or storage_for(path, options).isdir(path):
+            engine.warnings.append(f"the prepared metadata came from checkpoint {path}, which is never "
+                                   "written into; the refreshed prepared metadata is kept in memory")
+            return in_memory
+        write_prepared_bytes(path, blob, storage_options=options)
+        written = open_sectioned(path, options)
+        if written is None:
+            raise OSError("the file written cannot be read back")
+        return written
     except Exception as e:  # noqa: BLE001 - the checkpoint itself is fine
         engine.warnings.append(f"could not persist the prepared metadata to {path}: {describe(e)}; "
                                "it is kept in memory")
+        return in_memory

@@ -367,9 +367,12 @@ def share_store_address(group: Any, counter: CollectiveCounter, timeout_s: float
         host = os.environ.get("SOLOSAVE_STORE_HOST") or os.environ.get("MASTER_ADDR") or socket.gethostname()
         listener = _listen(host)
         port = listener.getsockname()[1]
-        server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                               master_listen_fd=listener.fileno(),
-                               timeout=datetime.timedelta(seconds=timeout_s))
+        kw = {"is_master": True, "wait_for_workers": False, "master_listen_fd": listener.fileno(),
+              "timeout": datetime.timedelta(seconds=timeout_s)}
+        try:
+            server = dist.TCPStore(host, port, **kw)
+        except NotImplementedError:  # torch < 2.7: libuv's store takes no listen fd; the legacy one does
+            server = dist.TCPStore(host, port, use_libuv=False, **kw)
         store = (server, listener)  # the server serves on the listener's socket: keep both
         addr = (host, port, f"solosave/{uuid.uuid4().hex}/")
     addr = ch.broadcast_object(addr)

@@ -56,6 +56,7 @@ from ._protocol import (
 )
 from ._publish import MetadataTemplate, publish_metadata, unpublish
 from ._stage import BufferReader
+from ._storage import storage_for
 from ._write import FileWriter, Record
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
@@ -74,6 +75,8 @@ class Engine:
         self.world_size = channel.world_size
         self.settings = settings
         self.writer = writer or FileWriter()
+        if settings.storage_options and self.writer.storage_options is None:
+            self.writer.storage_options = settings.storage_options
         self.reader = BufferReader()
         self._prepared: tuple[int, PreparedMetadata] | None = None
         #: Coordinator: the template of the metadata it last made (create mode, fallback), with
@@ -127,8 +130,8 @@ class Engine:
               timings: dict[str, float]) -> list[WriteResult]:
         """Write this rank's files of ``job`` (``pad``: slot length per BYTES item key)."""
         t0 = time.perf_counter()
-        os.makedirs(job.directory, exist_ok=True)
-        unpublish(job.directory)  # never leave an old .metadata next to new data files
+        storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
+        unpublish(job.directory, self.settings.storage_options)  # never an old .metadata next to new data
         todo = [(name, [self._record(job, it, pad) for it in items]) for name, items in files]
         self.reader.keep_only([it for _, items in files for it in items])
         try:
@@ -145,7 +148,8 @@ class Engine:
     def publish(self, job: SaveJob, data: bytes, timings: dict[str, float]) -> None:
         """Coordinator: write ``.metadata`` last, atomically."""
         t0 = time.perf_counter()
-        publish_metadata(job.directory, data, fsync=self.writer.fsync)
+        publish_metadata(job.directory, data, fsync=self.writer.fsync,
+                         storage_options=self.settings.storage_options)
         timings["publish"] += time.perf_counter() - t0
 
     # -- the reuse path ---------------------------------------------------------------------

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 #: The published metadata: written last, atomically; its presence makes a checkpoint complete.
 METADATA_FILE = ".metadata"
 #: DCP's on-disk format version written into ``Metadata.version``.
 DCP_VERSION = "1.0.0"
+#: ``Metadata(..., **METADATA_VERSION)``: the version field, where this torch's ``Metadata`` has one
+#: (torch < 2.7 has none).
+METADATA_VERSION: dict[str, str] = (
+    {"version": DCP_VERSION} if "version" in getattr(Metadata, "__dataclass_fields__", {}) else {})
 DATA_SUFFIX = ".distcp"
 #: Suffix of the checksum sidecar of a data file: ``__0_0.distcp`` -> ``__0_0.distcp.crc32``.
 CHECKSUM_SUFFIX = ".crc32"
@@ -124,9 +128,11 @@ def confined_path(directory: str | os.PathLike, relative_path: Any) -> str | Non
     return os.path.join(os.fspath(directory), relative_path)
 
 
-def check_ranges(directory: str | os.PathLike, storage_data: Mapping[Any, Any]) -> list[str]:
+def check_ranges(directory: str | os.PathLike, storage_data: Mapping[Any, Any],
+                 size_of: Callable[[str], int] | None = None) -> list[str]:
     """Every byte range of ``storage_data`` lies inside its data file, which lies inside
-    ``directory``; one message per problem (empty: ok)."""
+    ``directory``; one message per problem (empty: ok). ``size_of(path)``: a file's size, or
+    ``FileNotFoundError`` (default: ``os.stat``; a URL's storage passes its own)."""
     per_file = ranges_by_file(storage_data)
     problems: list[str] = []
     for rel in sorted(per_file, key=str):
@@ -139,7 +145,7 @@ def check_ranges(directory: str | os.PathLike, storage_data: Mapping[Any, Any]) 
             problems.append(f"{rel}: a record has a negative offset or length")
             continue
         try:
-            size = os.stat(path).st_size
+            size = size_of(path) if size_of is not None else os.stat(path).st_size
         except FileNotFoundError:
             problems.append(f"{rel}: missing ({len(per_file[rel])} record(s) point into it)")
             continue

@@ -18,7 +18,8 @@ items). It runs in named phases, each stating the invariant it establishes:
 7. :func:`_state_dict_metadata` - DCP's metadata, chunks sorted by offsets, equal sizes shared.
 
 Any violation raises :class:`PlanValidationError` naming the items and the fix; every rank
-receives that message. ``_layout.finish_metadata`` turns the write results into the ``Metadata``.
+receives that message. ``_results`` matches the write results to the plan's chunks (``chunks``) and
+``_metadata_pickle`` writes the ``.metadata`` pickle from them.
 The per-item reference implementation of the same decisions lives in ``tests/oracle.py``.
 """
 
@@ -40,6 +41,7 @@ from ._chunks import VECTOR_MIN, sweep_chunks, tiles_along_one_dim, validate_chu
 from ._format import ItemKey, as_key, dtype_from_name
 from ._layout import SDM, PlanValidationError, gc_paused, shared_size
 from ._protocol import ItemKind, PlanRequest, unpack_specs
+from ._results import ChunkTable
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class GlobalPlan:
     skip_write: bool
     planner_data: dict
     drifts: dict[int, list[str]]
+    #: The chunks of ``state_dict_metadata`` as columns (``None``: derive them from it).
+    chunks: ChunkTable | None = None
 
 
 @dataclass
@@ -118,7 +122,8 @@ def global_plan(requests: Sequence[PlanRequest]) -> GlobalPlan:
         planner_data.update(req.planner_data)
     skip = _prewritten_fit(requests, writes)
     drifts = {r: list(req.drifts) for r, req in enumerate(requests) if req.drifts}
-    return GlobalPlan(sdm, writes, skip, planner_data, drifts)
+    chunks = ChunkTable(cols.names, fq.nd, uq.bounds, uq.offs, uq.sizes)
+    return GlobalPlan(sdm, writes, skip, planner_data, drifts, chunks)
 
 
 # -- phase 1 -----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ._format import DCP_VERSION, ItemKey, key_name, key_sort
+from ._format import METADATA_VERSION, ItemKey, key_name, key_sort
 from ._protocol import ItemKind, ItemSpec, PlacedItem, WriteResult
 
 SDM = dict[str, TensorStorageMetadata | BytesStorageMetadata]
@@ -145,7 +145,7 @@ def build_metadata(state_dict_metadata: Mapping[str, TensorStorageMetadata | Byt
             idx = MetadataIndex(name)
         storage_data[idx] = _StorageInfo(paths.setdefault(rel, rel), off, length)
     return Metadata(state_dict_metadata=dict(state_dict_metadata), planner_data=dict(planner_data or {}),
-                    storage_data=storage_data, storage_meta=None, version=DCP_VERSION)
+                    storage_data=storage_data, storage_meta=None, **METADATA_VERSION)
 
 
 # ---------------------------------------------------------------------------------------------

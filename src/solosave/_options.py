@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,11 +26,24 @@ DRIFT_POLICIES = ("fallback", "raise")
 
 
 def option(default: Any, *, flag: str, help: str, metavar: str | None = None,  # noqa: A002 - argparse's name
-           cli_default: Any = dataclasses.MISSING, choices: tuple | None = None) -> Any:
+           cli_default: Any = dataclasses.MISSING, choices: tuple | None = None,
+           parse: Any = None) -> Any:
     """A dataclass field with its command-line flag. ``cli_default``: the flag's default when it
-    differs from the API's (Megatron's flags are opt-in)."""
+    differs from the API's (Megatron's flags are opt-in); ``parse``: turns the flag's text into
+    the value (default: by the field's type)."""
     return field(default=default, metadata={"flag": flag, "help": help, "metavar": metavar,
-                                            "cli_default": cli_default, "choices": choices})
+                                            "cli_default": cli_default, "choices": choices, "parse": parse})
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (``--ckpt-storage-options '{"anon": false}'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 class OptionError(ValueError):
@@ -96,8 +112,14 @@ class CheckpointerOptions:
         "call handle.wait_staged() before optimizer.step(); a tensor changed in place before "
         "that fails the save (StagingRaceError). Default: copies done (CPU) or stream-ordered "
         "(CUDA) when save() returns"))
+    storage_options: dict[str, Any] | None = option(None, flag="--ckpt-storage-options", metavar="JSON",
+                                                    parse=json_object, help=(
+        "URL destinations (s3://bucket/path; pip install 'solosave[s3]'): keyword arguments of the fsspec "
+        "filesystem, e.g. '{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}'; by default "
+        "the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) apply"))
 
     def __post_init__(self) -> None:
+        _check_storage_options(self)
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
             raise OptionError(f"{{workers}} must be >= 1 (an int: files per rank), got {self.workers!r}")
         if self.on_layout_drift not in DRIFT_POLICIES:
@@ -129,6 +151,22 @@ class CheckpointerOptions:
         return self.create_prepared_metadata or self.assume_constant_structure
 
 
+def _check_storage_options(options: CheckpointerOptions) -> None:
+    """``storage_options`` is a mapping with string keys that pickles (it travels to the worker);
+    kept as a plain dict of its own."""
+    so = options.storage_options
+    if so is None:
+        return
+    if not isinstance(so, Mapping) or not all(isinstance(k, str) for k in so):
+        raise OptionError(f"{{storage_options}} must be a mapping with string keys (keyword arguments of "
+                          f"the fsspec filesystem), got {type(so).__name__}")
+    try:
+        pickle.dumps(dict(so))
+    except Exception as e:  # noqa: BLE001 - any failure: it cannot reach the worker
+        raise OptionError(f"{{storage_options}} must be picklable (it travels to the worker process): {e}") from e
+    object.__setattr__(options, "storage_options", dict(so))
+
+
 def add_option_flags(group: Any, cls: type = CheckpointerOptions) -> None:
     """Add one flag per field of ``cls`` (an options dataclass declared with :func:`option`)."""
     for f in dataclasses.fields(cls):
@@ -137,7 +175,7 @@ def add_option_flags(group: Any, cls: type = CheckpointerOptions) -> None:
         if f.type in (bool, "bool"):
             group.add_argument(meta["flag"], dest=f.name, action="store_true", default=default, help=meta["help"])
             continue
-        kind = {"int": int, "float": float}.get(str(f.type).split("|")[0].strip())
+        kind = meta.get("parse") or {"int": int, "float": float}.get(str(f.type).split("|")[0].strip())
         group.add_argument(meta["flag"], dest=f.name, type=kind, default=default, metavar=meta["metavar"],
                            choices=meta["choices"], help=meta["help"])
 

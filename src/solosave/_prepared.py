@@ -1,46 +1,54 @@
-"""Prepared metadata: a complete DCP ``Metadata`` reused by every save of a constant structure.
+"""Prepared metadata: the layout of a constant structure, reused by every save.
 
-File format (version 1), written atomically by :func:`save_prepared_metadata`::
-
-    b"SOLOSAVE-PREPARED\\n"  b"1\\n"  <one JSON line: the fingerprint>  <pickle of Metadata>
-
-:func:`load_prepared_metadata` also accepts a plain pickled DCP ``Metadata`` (what other tools'
-create modes write), a checkpoint's ``.metadata`` file, or a checkpoint directory. Every pickle
-is loaded through the allowlist of :mod:`solosave._safe_pickle`.
-
-A :class:`PreparedMetadata` indexes the metadata once by rank and file, so a reuse save's local
-planning touches only this rank's items (independent of the world size).
+File format version 2 (:mod:`solosave._sections`, written atomically): a small header, offset
+tables, and sections, so that a rank reads only its own part (a few KiB, whatever the world
+size) and the coordinator also the ``.metadata`` template it publishes.
+:func:`load_prepared_metadata` also accepts version-1 files (one pickle of the whole
+``Metadata``), a plain pickled DCP ``Metadata`` (what other tools' create modes write), a
+checkpoint's ``.metadata`` file, or a checkpoint directory: those are converted in memory (a
+read of the whole file; ``solosave prepare`` converts them to version 2 once). Every pickle is
+loaded through the allowlist of :mod:`solosave._safe_pickle`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
-import pickle
-from collections import defaultdict
-from dataclasses import dataclass, field
-from functools import cached_property
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     Metadata,
     TensorStorageMetadata,
 )
 
 from ._errors import FingerprintMismatchError, PreparedMetadataError
-from ._format import METADATA_FILE, ItemKey, dtype_name, index_key, parse_file_name, storage_index
+from ._format import METADATA_FILE, ItemKey, parse_file_name
 from ._layout import gc_paused
 from ._plan import LocalPlan
 from ._protocol import ItemKind, ItemSpec, PlacedItem, ReusePlan
 from ._publish import MetadataTemplate, atomic_write
 from ._safe_pickle import safe_loads
+from ._sections import (
+    BytesSource,
+    FileSource,
+    RankLayout,
+    SectionReader,
+    Source,
+    StorageSource,
+    is_sectioned,
+    key_bucket,
+    sections_from_metadata,
+)
+from ._storage import is_url, join, normalize_url, storage_for
 
 MAGIC = b"SOLOSAVE-PREPARED\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +62,17 @@ class Fingerprint:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
-        return json.dumps({
-            "world_size": self.world_size, "workers": self.workers,
-            "structure_hash": self.structure_hash, "torch_version": self.torch_version,
-            "format_version": self.format_version,
-        }, sort_keys=True)
+        return json.dumps(self.fields(), sort_keys=True)
+
+    def fields(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "workers": self.workers,
+                "structure_hash": self.structure_hash, "torch_version": self.torch_version,
+                "format_version": self.format_version}
 
 
 def metadata_structure_hash(md: Metadata) -> str:
-    """Hash of keys, shapes, dtypes, chunking and which file/offset/length holds each item."""
+    """Hash of keys, shapes, dtypes, chunking and which file/offset/length holds each item (the
+    structure hash of version-1 files; version 2 hashes its sections)."""
     h = hashlib.sha256()
     with gc_paused():  # millions of small tuples, no cycles
         for fqn in sorted(md.state_dict_metadata):
@@ -92,100 +102,132 @@ def infer_world_workers(md: Metadata) -> tuple[int, int]:
     return ranks, files
 
 
-@dataclass(frozen=True, eq=False)
+def _restore(reader: SectionReader, source: str) -> PreparedMetadata:
+    return PreparedMetadata(reader, source)
+
+
 class PreparedMetadata:
-    """A complete DCP ``Metadata`` plus the fingerprint of the run it is valid for."""
+    """A prepared metadata (format version 2), read by sections on demand: a rank's reuse plan
+    reads its own section (:meth:`rank_files`), the coordinator the template it publishes
+    (:attr:`template`); :attr:`metadata` rebuilds the whole DCP ``Metadata`` (tools, tests).
 
-    metadata: Metadata
-    fingerprint: Fingerprint
-    #: Where it came from (a path, ``"created"`` or ``"object"``), for messages.
-    source: str = "object"
-    _by_rank: dict[int, tuple[tuple[str, tuple[PlacedItem, ...]], ...]] = field(
-        init=False, repr=False, default_factory=dict)
+    Pickled (to the worker, in the create save's broadcast) as a reference to its file, or as
+    its bytes when it lives in memory; the sections read so far are not sent.
+    """
 
-    def __post_init__(self) -> None:
-        with gc_paused():
-            self._index()
+    def __init__(self, reader: SectionReader, source: str | None = None) -> None:
+        self._reader = reader
+        #: Where it came from (a path, ``"created"`` or ``"object"``), for messages.
+        self.source = source or reader.source.where
+        fp = reader.header["fingerprint"]
+        self.fingerprint = Fingerprint(fp.get("world_size"), fp.get("workers"), fp["structure_hash"],
+                                       fp.get("torch_version"), fp.get("format_version", FORMAT_VERSION))
+        self._layouts: dict[int, RankLayout] = {}
+        self._buckets: dict[int, frozenset[ItemKey]] = {}
+        self._structure: dict[str, tuple] | None = None
+        self._template: MetadataTemplate | None = None
+        #: Set when a version-1 file's recorded structure hash does not match its contents.
+        self.tampered = False
 
-    def _index(self) -> None:
-        if not isinstance(self.metadata, Metadata):
-            raise PreparedMetadataError(
-                f"{self.source}: expected a torch.distributed.checkpoint Metadata, got "
-                f"{type(self.metadata).__name__}")
-        if not self.metadata.storage_data and self.metadata.state_dict_metadata:
-            raise PreparedMetadataError(
-                f"{self.source}: the metadata has no storage_data (it is not a complete, published "
-                "checkpoint metadata); use the .metadata of a finished save")
-        by_file: dict[str, list[PlacedItem]] = defaultdict(list)
-        for idx, info in self.metadata.storage_data.items():
-            by_file[info.relative_path].append(
-                PlacedItem(index_key(idx), info.relative_path, int(info.offset), int(info.length)))
-        by_rank: dict[int, list[tuple[str, tuple[PlacedItem, ...]]]] = defaultdict(list)
-        for rel in sorted(by_file, key=lambda r: parse_file_name(r) or (1 << 62, 0)):
-            parsed = parse_file_name(rel)
-            if parsed is None:
-                raise PreparedMetadataError(f"{self.source}: unexpected data file name {rel!r}")
-            items = tuple(sorted(by_file[rel], key=lambda p: p.offset))
-            by_rank[parsed[0]].append((rel, items))
-        self._by_rank.update({r: tuple(v) for r, v in by_rank.items()})
+    def __reduce__(self) -> tuple:
+        return (_restore, (self._reader, self.source))
 
     @classmethod
     def from_metadata(cls, metadata: Metadata, world_size: int | None = None,
                       workers: int | None = None, source: str = "object") -> PreparedMetadata:
-        """Wrap ``metadata`` and compute its fingerprint (world size / workers inferred from
-        the file names when not given: a lower bound, since a rank may have written nothing)."""
-        return cls(metadata, prepared_fingerprint(metadata, world_size, workers), source)
+        """Convert ``metadata`` (world size / workers inferred from the file names when not
+        given: a lower bound, since a rank may have written nothing). Reads every entry."""
+        fields = {"world_size": world_size, "workers": workers,
+                  "torch_version": torch.__version__ if world_size is not None else None}
+        return cls(SectionReader(BytesSource(sections_from_metadata(metadata, fields, source), source)), source)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this object read from its file (or buffer) so far."""
+        return self._reader.source.bytes_read
+
+    def to_bytes(self) -> bytes:
+        """The whole file (rebuilt from :attr:`metadata` if it was not read whole)."""
+        src = self._reader.source
+        if isinstance(src, BytesSource):
+            return src.data
+        fields = {k: v for k, v in self.fingerprint.fields().items() if k != "structure_hash"}
+        return sections_from_metadata(self.metadata, fields, self.source)
 
     # -- per-rank index --------------------------------------------------------------------
+    def layout(self, rank: int) -> RankLayout:
+        got = self._layouts.get(rank)
+        if got is None:
+            got = self._layouts[rank] = self._reader.rank_layout(rank)
+        return got
+
     def rank_files(self, rank: int) -> tuple[tuple[str, tuple[PlacedItem, ...]], ...]:
         """The files the metadata places on ``rank``, each with its items in offset order."""
-        return self._by_rank.get(rank, ())
+        return self.layout(rank).files
+
+    @property
+    def structure(self) -> dict[str, tuple]:
+        """``{fqn: (kind, dtype name, global size)}`` of every item."""
+        if self._structure is None:
+            self._structure = self._reader.structure()
+        return self._structure
 
     def placed(self, key: ItemKey) -> bool:
-        return storage_index(key) in self.metadata.storage_data
+        """Whether some rank's files hold ``key`` (one directory bucket read, cached)."""
+        b = key_bucket(key, self._reader.buckets)
+        keys = self._buckets.get(b)
+        if keys is None:
+            keys = self._buckets[b] = self._reader.bucket(b)
+        return key in keys
 
-    def spec_matches(self, spec: ItemSpec) -> str | None:
-        """``None`` if ``spec`` is consistent with the metadata, else why not."""
-        m = self.metadata.state_dict_metadata.get(spec.fqn)
+    def spec_matches(self, spec: ItemSpec, own: set[ItemKey] | frozenset = frozenset()) -> str | None:
+        """``None`` if ``spec`` is consistent with the metadata, else why not (``own``: keys
+        known to be placed, this rank's layout)."""
+        m = self.structure.get(spec.fqn)
         if m is None:
             return f"{spec.fqn}: not in the prepared metadata (a new item)"
+        kind, dtype, size = m
         if spec.kind is ItemKind.BYTES:
-            if isinstance(m, BytesStorageMetadata):
-                return None
-            return f"{spec.fqn}: now a non-tensor, prepared as a tensor"
-        if not isinstance(m, TensorStorageMetadata):
+            return None if kind == 1 else f"{spec.fqn}: now a non-tensor, prepared as a tensor"
+        if kind != 0:
             return f"{spec.fqn}: now a tensor, prepared as a non-tensor"
-        if tuple(m.size) != spec.global_size or dtype_name(m.properties.dtype) != spec.dtype:
-            return (f"{spec.fqn}: now {spec.dtype}{list(spec.global_size or ())}, prepared as "
-                    f"{dtype_name(m.properties.dtype)}{list(m.size)}")
-        if not self.placed(spec.key):
+        if tuple(size) != spec.global_size or dtype != spec.dtype:
+            return f"{spec.fqn}: now {spec.dtype}{list(spec.global_size or ())}, prepared as {dtype}{list(size)}"
+        if spec.key not in own and not self.placed(spec.key):
             return f"{spec.fqn}: chunk at {list(spec.offsets or ())} is not in the prepared metadata (resharded?)"
         return None
 
-    @cached_property
-    def chunk_sizes(self) -> dict[ItemKey, tuple[int, ...]]:
-        out: dict[ItemKey, tuple[int, ...]] = {}
-        for fqn, m in self.metadata.state_dict_metadata.items():
-            if isinstance(m, TensorStorageMetadata):
-                for c in m.chunks:
-                    out[(fqn, tuple(int(o) for o in c.offsets))] = tuple(int(s) for s in c.sizes)
-        return out
-
-    @cached_property
+    # -- publishing (coordinator) -----------------------------------------------------------
+    @property
     def template(self) -> MetadataTemplate:
-        """The metadata serialized once, for publishing (coordinator)."""
-        return MetadataTemplate(self.metadata)
+        """The ``.metadata`` pickle with placeholders, for publishing (coordinator)."""
+        if self._template is None:
+            parts = self._reader.template_parts()
+            if parts is None:
+                raise PreparedMetadataError(f"{self.source}: has no metadata template; recreate it")
+            self._template = MetadataTemplate.from_parts(parts)
+        return self._template
 
     def adopt_template(self, save_id: str, template: MetadataTemplate) -> bool:
-        """Use ``template`` (built by the coordinator from the ``.metadata`` it published with
-        ``save_id``) instead of serializing the metadata again, if this metadata was read back
-        from that publication (its ``storage_meta.save_id``, a fresh uuid per publication);
-        returns whether it did."""
-        sm = self.metadata.storage_meta
-        if "template" in self.__dict__ or sm is None or not save_id or sm.save_id != save_id:
+        """Use ``template`` (built by the coordinator when it published with ``save_id``) instead
+        of reading the template section, if this prepared metadata was made by that
+        publication (its ``save_id``, a fresh uuid per publication); returns whether it did."""
+        sm = self._reader.header.get("storage_meta")
+        if self._template is not None or not sm or not save_id or sm[1] != save_id:
             return False
-        self.__dict__["template"] = template  # the cached_property's slot
+        self._template = template
         return True
+
+    @property
+    def metadata(self) -> Metadata:
+        """The whole DCP ``Metadata`` (reads and unpickles the template: O(world size))."""
+        sm = self._reader.header.get("storage_meta")
+        data = self.template.render(*(sm or ("", "")))
+        with gc_paused():
+            md = safe_loads(data, what=self.source)
+        if not isinstance(md, Metadata):
+            raise PreparedMetadataError(f"{self.source}: the template holds a {type(md).__name__}")
+        return md if sm else dataclasses.replace(md, storage_meta=None)
 
     # -- reuse planning (every rank, locally) -----------------------------------------------
     def plan_reuse(self, plan: LocalPlan, rank: int) -> tuple[ReusePlan, list[ItemSpec]]:
@@ -193,55 +235,88 @@ class PreparedMetadata:
         reasons it cannot write that layout (a drift found before writing), and the items to
         stage: the layout's items, or every item it owns when it drifted (the save then falls
         back to the collective path, which may assign it any of them)."""
-        layout = self.rank_files(rank)
+        mine = self.layout(rank)
         drift: list[str] = []
-        sizes = self.chunk_sizes
-        for _, items in layout:
+        own: set[ItemKey] = set()
+        for _, items in mine.files:
             for p in items:
+                own.add(p.key)
                 s = plan.by_key.get(p.key)
                 if s is None:
                     drift.append(f"{p.key[0]}: prepared on this rank but not in its state dict")
-                elif s.offsets is not None and sizes.get(p.key) != s.sizes:
+                elif s.offsets is not None and mine.sizes.get(p.key) != s.sizes:
                     drift.append(f"{s.fqn}: chunk size {list(s.sizes or ())} differs from the prepared one")
         for s in plan.specs:
-            msg = self.spec_matches(s)
+            msg = self.spec_matches(s, own)
             if msg:
                 drift.append(msg)
         if drift:
-            return ReusePlan(layout, tuple(drift)), plan.owned
-        return ReusePlan(layout), [plan.by_key[p.key] for _, items in layout for p in items]
+            return ReusePlan(mine.files, tuple(drift)), plan.owned
+        return ReusePlan(mine.files), [plan.by_key[p.key] for _, items in mine.files for p in items]
 
     # -- validation ------------------------------------------------------------------------
     def check_compatible(self, world_size: int, workers: int) -> None:
         """Raise :class:`FingerprintMismatchError` naming the field that differs and the fix."""
-        fp = self.fingerprint
+        fp, h = self.fingerprint, self._reader.header
         fix = ("Delete the file (or point prepared_metadata elsewhere) and run with "
                "create_prepared_metadata=True, or run `solosave prepare` from a checkpoint of this run.")
         if fp.format_version != FORMAT_VERSION:
             raise FingerprintMismatchError(
                 f"{self.source}: prepared-metadata format version {fp.format_version}, this "
                 f"solosave reads {FORMAT_VERSION}. {fix}")
-        inferred_ranks, inferred_files = infer_world_workers(self.metadata)
         if fp.world_size is not None and fp.world_size != world_size:
             raise FingerprintMismatchError(
                 f"{self.source}: world_size differs: prepared for {fp.world_size} ranks, this run "
                 f"has {world_size}. {fix}")
-        if inferred_ranks > world_size:
+        if int(h["ranks_with_files"]) and int(h["world"]) > world_size:
             raise FingerprintMismatchError(
-                f"{self.source}: world_size differs: the metadata has files of {inferred_ranks} "
+                f"{self.source}: world_size differs: the metadata has files of {h['world']} "
                 f"ranks, this run has {world_size}. {fix}")
         if fp.workers is not None and fp.workers != workers:
             raise FingerprintMismatchError(
                 f"{self.source}: workers differs: prepared with workers={fp.workers}, this "
                 f"checkpointer has workers={workers}. Use workers={fp.workers} or: {fix}")
-        if inferred_files > workers:
+        if int(h["max_files"]) > workers:
             raise FingerprintMismatchError(
-                f"{self.source}: workers differs: the metadata has {inferred_files} files per "
+                f"{self.source}: workers differs: the metadata has {h['max_files']} files per "
                 f"rank, this checkpointer has workers={workers}. {fix}")
-        if metadata_structure_hash(self.metadata) != fp.structure_hash:
+        if self.tampered:
             raise FingerprintMismatchError(
                 f"{self.source}: structure hash differs from the one recorded in the file (the "
                 f"file was modified). {fix}")
+
+
+def _converted(md: Any, fp: Fingerprint | None, where: str) -> PreparedMetadata:
+    """A version-1 file's or plain ``Metadata``'s contents as a version-2 prepared metadata."""
+    if not isinstance(md, Metadata):
+        raise PreparedMetadataError(f"{where}: holds a {type(md).__name__}, not a DCP Metadata")
+    infer_world_workers(md)  # validates the data file names
+    fields = {"world_size": fp.world_size if fp else None, "workers": fp.workers if fp else None,
+              "torch_version": fp.torch_version if fp else None}
+    out = PreparedMetadata(SectionReader(BytesSource(sections_from_metadata(md, fields, where), where)), where)
+    out.tampered = fp is not None and metadata_structure_hash(md) != fp.structure_hash
+    return out
+
+
+def open_sectioned(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
+                   source: Source | None = None) -> PreparedMetadata | None:
+    """The version-2 prepared file at ``path`` (header read only), or ``None`` if ``path`` is
+    not one (a directory, another format, missing: the caller reads it whole and explains)."""
+    if source is None:
+        if is_url(path):
+            url = normalize_url(path)  # type: ignore[arg-type]
+            source = StorageSource(url, storage_options)
+        else:
+            if not os.path.isfile(path):
+                return None
+            source = FileSource(path)
+        try:
+            head = source.read(0, len(MAGIC) + 2)
+        except (OSError, PreparedMetadataError):
+            return None
+        if not is_sectioned(head):
+            return None
+    return PreparedMetadata(SectionReader(source), source.where)
 
 
 def _read(path: Path) -> bytes:
@@ -255,17 +330,26 @@ def _read(path: Path) -> bytes:
         raise PreparedMetadataError(f"{path}: cannot read ({e})") from e
 
 
-def load_prepared_metadata(path: str | os.PathLike) -> PreparedMetadata:
+def load_prepared_metadata(path: str | os.PathLike, *,
+                           storage_options: Mapping[str, Any] | None = None) -> PreparedMetadata:
     """Load a prepared-metadata file, a plain pickled DCP ``Metadata``, a ``.metadata`` file or a
-    checkpoint directory. Raises :class:`PreparedMetadataError` (or a subclass) with the reason."""
-    p = Path(path)
-    if p.is_dir():
-        if not (p / METADATA_FILE).exists():
-            raise PreparedMetadataError(
-                f"{p}: directory has no {METADATA_FILE} (not a published checkpoint; a save that "
-                "failed or is still running leaves none)")
-        p = p / METADATA_FILE
-    data = _read(p)
+    checkpoint directory; a local path or a URL (``storage_options``: keyword arguments of its
+    fsspec filesystem). Raises :class:`PreparedMetadataError` (or a subclass) with the reason.
+    A version-2 file is opened by its header only; the rest is read by sections on demand."""
+    sectioned = open_sectioned(path, storage_options)
+    if sectioned is not None:
+        return sectioned
+    if is_url(path):
+        p, data = _read_url(path, storage_options)  # type: ignore[arg-type]
+    else:
+        p = Path(path)
+        if p.is_dir():
+            if not (p / METADATA_FILE).exists():
+                raise PreparedMetadataError(
+                    f"{p}: directory has no {METADATA_FILE} (not a published checkpoint; a save that "
+                    "failed or is still running leaves none)")
+            p = p / METADATA_FILE
+        data = _read(p)
     if data.startswith(MAGIC):
         return _parse_prepared(p, data)
     if not data:
@@ -274,12 +358,28 @@ def load_prepared_metadata(path: str | os.PathLike) -> PreparedMetadata:
         md = safe_loads(data, what=str(p))
     if not isinstance(md, Metadata):
         raise PreparedMetadataError(f"{p}: holds a {type(md).__name__}, not a DCP Metadata")
-    infer_world_workers(md)  # validates the data file names
-    fp = Fingerprint(None, None, metadata_structure_hash(md), None)
-    return PreparedMetadata(md, fp, str(p))
+    return _converted(md, None, str(p))
 
 
-def _parse_prepared(p: Path, data: bytes) -> PreparedMetadata:
+def _read_url(url: str, storage_options: Mapping[str, Any] | None) -> tuple[str, bytes]:
+    """``(where, bytes)`` of a prepared file, ``.metadata`` or checkpoint directory at ``url``."""
+    url = normalize_url(url)
+    st = storage_for(url, storage_options)
+    try:
+        return url, st.read(url)
+    except (FileNotFoundError, IsADirectoryError):
+        pass
+    if not st.isdir(url):
+        raise PreparedMetadataError(f"{url}: no such file")
+    try:
+        return join(url, METADATA_FILE), st.read(join(url, METADATA_FILE))
+    except FileNotFoundError:
+        raise PreparedMetadataError(
+            f"{url}: directory has no {METADATA_FILE} (not a published checkpoint; a save that failed "
+            "or is still running leaves none)") from None
+
+
+def _parse_prepared(p: Path | str, data: bytes) -> PreparedMetadata:
     rest = data[len(MAGIC):]
     try:
         version_line, json_line, payload = rest.split(b"\n", 2)
@@ -288,20 +388,17 @@ def _parse_prepared(p: Path, data: bytes) -> PreparedMetadata:
     except ValueError as e:
         raise PreparedMetadataError(f"{p}: prepared-metadata header is truncated or corrupt ({e}); "
                                     "delete the file and recreate it") from e
-    if version != FORMAT_VERSION:
+    if version != 1:  # version 2 is opened by sections (open_sectioned)
         raise FingerprintMismatchError(
-            f"{p}: prepared-metadata format version {version}; this solosave reads "
+            f"{p}: prepared-metadata format version {version}; this solosave reads 1 and "
             f"{FORMAT_VERSION}. Recreate it with create_prepared_metadata=True")
     with gc_paused():
         md = safe_loads(payload, what=str(p))
-    if not isinstance(md, Metadata):
-        raise PreparedMetadataError(f"{p}: holds a {type(md).__name__}, not a DCP Metadata")
     try:
-        fp = Fingerprint(fpd["world_size"], fpd["workers"], fpd["structure_hash"],
-                         fpd.get("torch_version"), fpd.get("format_version", version))
+        fp = Fingerprint(fpd["world_size"], fpd["workers"], fpd["structure_hash"], fpd.get("torch_version"))
     except KeyError as e:
         raise PreparedMetadataError(f"{p}: fingerprint lacks field {e}; recreate the file") from e
-    return PreparedMetadata(md, fp, str(p))
+    return _converted(md, fp, str(p))
 
 
 def prepared_fingerprint(metadata: Metadata, world_size: int | None = None,
@@ -310,17 +407,28 @@ def prepared_fingerprint(metadata: Metadata, world_size: int | None = None,
     return Fingerprint(world_size, workers, metadata_structure_hash(metadata), torch.__version__)
 
 
-def save_prepared_metadata(prepared: PreparedMetadata | Metadata, path: str | os.PathLike) -> None:
-    """Write ``prepared`` to ``path`` atomically (temp file, fsync, rename, directory fsync)."""
+def save_prepared_metadata(prepared: PreparedMetadata | Metadata, path: str | os.PathLike, *,
+                           storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write ``prepared`` to ``path`` (format version 2) atomically (temp file, fsync, rename,
+    directory fsync; on an object store one single-object write)."""
     if isinstance(prepared, Metadata):
         prepared = PreparedMetadata.from_metadata(prepared)
-    write_prepared_file(path, prepared.fingerprint, pickle.dumps(prepared.metadata, protocol=2))
+    write_prepared_bytes(path, prepared.to_bytes(), storage_options=storage_options)
 
 
-def write_prepared_file(path: str | os.PathLike, fingerprint: Fingerprint, pickled: bytes) -> None:
-    """Write a prepared-metadata file (format version 1) atomically from the fingerprint and
-    ``pickled``, a pickle of the ``Metadata`` (protocol 2, as :func:`save_prepared_metadata`
-    writes it; e.g. the bytes of a published ``.metadata``, which are one)."""
-    data = b"".join((MAGIC, f"{FORMAT_VERSION}\n".encode(), fingerprint.to_json().encode(), b"\n", pickled))
+def write_prepared_file(path: str | os.PathLike, fingerprint: Fingerprint, pickled: bytes,
+                        storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write a version-1 prepared-metadata file (still read, converted on load) from the
+    fingerprint and ``pickled``, a protocol-2 pickle of the ``Metadata``."""
+    fpj = json.dumps({**fingerprint.fields(), "format_version": 1}, sort_keys=True)
+    write_prepared_bytes(path, b"".join((MAGIC, b"1\n", fpj.encode(), b"\n", pickled)), storage_options)
+
+
+def write_prepared_bytes(path: str | os.PathLike, data: bytes,
+                         storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write the bytes of a prepared file atomically (local or URL)."""
+    if is_url(path):
+        storage_for(path, storage_options).commit(normalize_url(path), data)  # type: ignore[arg-type]
+        return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, data)

@@ -188,6 +188,8 @@ class EngineSettings:
     on_layout_drift: str = "fallback"
     #: The prepared file to create or refresh (coordinator); ``None``: in memory only.
     prepared_path: str | None = None
+    #: Keyword arguments of the fsspec filesystem of URL destinations (``CheckpointerOptions``).
+    storage_options: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -290,7 +292,7 @@ class JobOutcome:
     failures: dict[int, str] = field(default_factory=dict)
     drifts: dict[int, list[str]] = field(default_factory=dict)
     #: The complete metadata now prepared (create, fallback); every rank receives it.
-    prepared_metadata: Any = None  # a torch.distributed.checkpoint Metadata
+    prepared_metadata: Any = None  # a PreparedMetadata (a reference to its file, or in memory)
     #: Whether ``.metadata`` was published (known on every rank).
     published: bool = False
     warnings: tuple[str, ...] = ()
@@ -371,7 +373,7 @@ class FinishNotice(NamedTuple):
     """The coordinator's last word on a collective save (broadcast)."""
 
     failures: dict[int, str]
-    prepared: Any                  #: the published Metadata when it becomes the prepared one
+    prepared: Any                  #: the PreparedMetadata it made (a file reference, or in memory)
     published: bool
 
 

@@ -1,8 +1,10 @@
 """Step 5 of a save: publishing ``.metadata`` (coordinator only, last, atomically).
 
-:func:`atomic_write` is the one commit primitive: write a temporary file in the same directory,
-flush, fsync, rename over the destination (``os.replace`` is atomic on POSIX), fsync the
-directory. A crash at any point leaves the old file or no file, never a truncated one.
+:func:`publish_metadata` commits through the storage of the checkpoint (:mod:`solosave._storage`):
+locally :func:`atomic_write` (a temporary file in the same directory, flush, fsync, rename over
+the destination - ``os.replace`` is atomic on POSIX -, fsync the directory), so a crash at any
+point leaves the old file or no file, never a truncated one; on an object store one
+single-object write, which readers see whole or not at all.
 
 :class:`MetadataTemplate` serializes a ``Metadata`` once and renders it per checkpoint with a
 new ``storage_meta`` (``checkpoint_id``, ``save_id``) by splicing two strings into the pickle,
@@ -16,48 +18,20 @@ import os
 import pickle
 import struct
 import uuid
-from pathlib import Path
+from collections.abc import Mapping
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ._format import METADATA_FILE
+from ._storage import atomic_write, fsync_dir, join, storage_for
+
+__all__ = ["MetadataTemplate", "atomic_write", "fsync_dir", "publish_metadata", "unpublish"]
 
 
-def fsync_dir(directory: str | os.PathLike) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically (temp file, fsync, rename, fsync directory)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(path.parent)
-
-
-def unpublish(directory: str | os.PathLike) -> None:
+def unpublish(directory: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> None:
     """Remove ``.metadata`` (before overwriting a checkpoint's data files); idempotent."""
-    try:
-        os.unlink(Path(directory) / METADATA_FILE)
-    except FileNotFoundError:
-        pass
+    storage_for(directory, storage_options).remove(join(directory, METADATA_FILE))
 
 
 def _binunicode(s: str) -> bytes:
@@ -89,11 +63,27 @@ class MetadataTemplate:
         self._parts = (data[:i], data[i + len(a):j], data[j + len(b):])
         self.nbytes = len(data)
 
+    @classmethod
+    def from_parts(cls, parts: tuple[bytes, bytes, bytes]) -> MetadataTemplate:
+        """A template from the three pieces of a pickle around its two placeholders (as a
+        prepared file stores them: ``parts``)."""
+        self = cls.__new__(cls)
+        self._parts = parts
+        self.nbytes = sum(map(len, parts))
+        return self
+
+    @property
+    def parts(self) -> tuple[bytes, bytes, bytes]:
+        """The pickle before, between and after the two placeholders."""
+        return self._parts
+
     def render(self, checkpoint_id: str, save_id: str | None = None) -> bytes:
         p0, p1, p2 = self._parts
         return b"".join((p0, _binunicode(str(checkpoint_id)), p1,
                          _binunicode(save_id or str(uuid.uuid4())), p2))
 
 
-def publish_metadata(directory: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
-    atomic_write(Path(directory) / METADATA_FILE, data, fsync=fsync)
+def publish_metadata(directory: str | os.PathLike, data: bytes, fsync: bool = True,
+                     storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write ``directory/.metadata`` atomically (see the module docstring)."""
+    storage_for(directory, storage_options).commit(join(directory, METADATA_FILE), data, fsync=fsync)

@@ -20,28 +20,23 @@ partial checkpoint behind (``.metadata`` goes first), never a published one with
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ._format import METADATA_FILE
+from ._storage import join, storage_for
 
 log = logging.getLogger("solosave")
 
 
-def remove_checkpoint(path: str) -> None:
-    """Delete a checkpoint directory, ``.metadata`` first: a crash midway leaves a partial
-    checkpoint (ignored by loaders), never a published one with missing data files. Raises
-    ``OSError`` when something cannot be deleted; a directory already gone is not an error."""
-    try:
-        os.remove(os.path.join(path, METADATA_FILE))
-    except FileNotFoundError:
-        pass
-    try:
-        shutil.rmtree(path)
-    except FileNotFoundError:
-        pass
+def remove_checkpoint(path: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Delete a checkpoint directory (or URL prefix), ``.metadata`` first: a crash midway leaves
+    a partial checkpoint (ignored by loaders), never a published one with missing data files.
+    Raises ``OSError`` when something cannot be deleted; a directory already gone is not an error."""
+    storage = storage_for(path, storage_options)
+    storage.remove(join(path, METADATA_FILE))
+    storage.remove_tree(path)
 
 
 class Pruner:

@@ -22,6 +22,7 @@ from ._plan import LocalPlan
 from ._prepared import PreparedMetadata
 from ._protocol import ItemSpec, JobOutcome, Mode, SaveJob, SaveKind, StagedSave
 from ._stage import Stager, Staging
+from ._storage import is_url, normalize_url
 from ._structure import StructureCache
 
 
@@ -122,9 +123,9 @@ class SaveSession:
             self.stager.buffer_delivered()
             self._stage_everything = False
             if outcome.prepared_metadata is not None:
-                self.prepared = PreparedMetadata.from_metadata(
-                    outcome.prepared_metadata, self.world_size, self.options.workers,
-                    source=self.options.prepared_path or "created in memory")
+                # a reference to the prepared file (or, in memory, the sections themselves): this
+                # rank reads only its own section, at its next reuse plan
+                self.prepared = outcome.prepared_metadata
                 self.token += 1
         elif outcome.kind is SaveKind.FALLBACK:
             self._stage_everything = True
@@ -134,7 +135,10 @@ class SaveSession:
 
 
 def normalize_directory(path: Any) -> str:
-    """The directory string every rank derives alike from the ``path`` it was given."""
+    """The directory string every rank derives alike from the ``path`` it was given (a URL as
+    itself, without trailing slashes: never through ``pathlib``)."""
+    if is_url(path):
+        return normalize_url(path)
     if isinstance(path, (str, os.PathLike)):
         return os.fspath(Path(path))
     return repr(path)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from ._format import (
 from ._layout import check_results_cover
 from ._load import parse_metadata, read_metadata_bytes
 from ._prepared import infer_world_workers, load_prepared_metadata
+from ._storage import LOCAL, is_url, normalize_url, read_checkpoint_metadata, storage_for
 
 _READ_CHUNK = 8 << 20
 
@@ -65,14 +66,15 @@ class VerifyReport:
                 "problems": list(self.problems)}
 
 
-def check_files_tiled(directory: str, per_file: dict[str, list[tuple[int, int, str]]]) -> list[str]:
+def check_files_tiled(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
+                      storage: Any = LOCAL) -> list[str]:
     """The records of each data file follow each other from offset 0 to its end, as every
     FileSystemWriter-style saver writes them: a ``.metadata`` of another layout (a prepared
     file copied over a checkpoint's own) shows up as a gap, an overlap or a wrong end."""
     problems = []
     for rel in sorted(per_file, key=str):
         path = confined_path(directory, rel)
-        if path is None or not os.path.exists(path):
+        if path is None or not storage.exists(path):
             continue  # reported by check_ranges
         pos = 0
         for off, n, name in sorted(per_file[rel]):
@@ -82,22 +84,26 @@ def check_files_tiled(directory: str, per_file: dict[str, list[tuple[int, int, s
                 break
             pos = off + n
         else:
-            size = os.path.getsize(path)
+            size = storage.size(path)
             if pos != size:
                 problems.append(f"{rel}: its records end at {pos} but the file has {size} bytes: "
                                 ".metadata does not describe this file")
     return problems
 
 
-def _read_metadata(directory: str) -> Metadata:
+def _read_metadata(directory: str, storage_options: Mapping[str, Any] | None) -> Metadata:
+    if is_url(directory):
+        try:
+            return parse_metadata(read_checkpoint_metadata(directory, storage_options), directory)
+        except FileNotFoundError:
+            raise PreparedMetadataError(f"{directory}: no such checkpoint directory") from None
     if not os.path.isdir(directory):
         raise PreparedMetadataError(f"{directory}: no such checkpoint directory")
     return parse_metadata(read_metadata_bytes(directory), directory)  # allowlisted, clear errors
 
 
-def _read_sidecar(sidecar: str) -> dict[tuple[int, int], int]:
-    with open(sidecar, "rb") as f:
-        doc = json.loads(f.read())
+def _read_sidecar(sidecar: str, storage: Any) -> dict[tuple[int, int], int]:
+    doc = json.loads(storage.read(sidecar))
     if not isinstance(doc, dict):
         raise ValueError(f"a JSON {type(doc).__name__}, not an object")
     if doc.get("format") != CHECKSUM_FORMAT:
@@ -122,22 +128,22 @@ def _crc_of_range(f: Any, off: int, n: int, progress: Callable[[int, int], None]
 
 
 def _checksums(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
-               progress: Callable[[int, int], None] | None) -> tuple[str, int, list[str]]:
+               progress: Callable[[int, int], None] | None, storage: Any = LOCAL) -> tuple[str, int, list[str]]:
     problems: list[str] = []
     checked = 0
     files = [rel for rel in sorted(per_file, key=str) if confined_path(directory, rel) is not None
-             and os.path.exists(checksum_path(os.path.join(directory, rel)))]
+             and storage.exists(checksum_path(os.path.join(directory, rel)))]
     total = sum(n for rel in files for _, n, _ in per_file[rel])
     for rel in files:
         data_path = os.path.join(directory, rel)
         try:
-            recorded = _read_sidecar(checksum_path(data_path))
+            recorded = _read_sidecar(checksum_path(data_path), storage)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             problems.append(f"{rel}{CHECKSUM_SUFFIX}: unreadable checksum file ({e})")
             continue
-        if not os.path.exists(data_path):
+        if not storage.exists(data_path):
             continue  # reported by check_ranges
-        with open(data_path, "rb") as f:
+        with storage.open_read(data_path) as f:
             for off, n, name in sorted(per_file[rel]):
                 want = recorded.get((off, n))
                 if want is None:
@@ -154,9 +160,10 @@ def _checksums(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
     return status, checked, problems
 
 
-def compare_with_prepared(md: Metadata, prepared_path: str | os.PathLike) -> list[str]:
+def compare_with_prepared(md: Metadata, prepared_path: str | os.PathLike,
+                          storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """Differences between a checkpoint's metadata and a prepared file's layout (empty: same)."""
-    prepared = load_prepared_metadata(prepared_path)
+    prepared = load_prepared_metadata(prepared_path, storage_options=storage_options)
     pm = prepared.metadata
     problems: list[str] = []
     ranks, files = infer_world_workers(md)
@@ -186,25 +193,28 @@ def compare_with_prepared(md: Metadata, prepared_path: str | os.PathLike) -> lis
 
 def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | None = None,
                       checksums: bool = True,
-                      progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-    """Check the checkpoint directory ``path`` (see the module docstring). Raises
+                      progress: Callable[[int, int], None] | None = None,
+                      storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
+    """Check the checkpoint directory ``path`` (a local path or a URL; ``storage_options``:
+    keyword arguments of its fsspec filesystem; see the module docstring). Raises
     :class:`~solosave.PreparedMetadataError` if there is no readable ``.metadata``; every other
     finding is a line in the report's ``problems``. ``progress(n, total)`` is called with each
     block of bytes read while checking checksums and the total those reads add up to."""
-    directory = os.fspath(path)
-    md = _read_metadata(directory)
+    directory = normalize_url(path) if is_url(path) else os.fspath(path)  # type: ignore[arg-type]
+    storage = storage_for(directory, storage_options)
+    md = _read_metadata(directory, storage_options)
     results = [(index_key(k), v.relative_path, int(v.offset), int(v.length)) for k, v in md.storage_data.items()]
     problems = check_results_cover(md.state_dict_metadata, results)
-    problems += check_ranges(directory, md.storage_data)
-    problems += check_files_tiled(directory, ranges_by_file(md.storage_data))
+    problems += check_ranges(directory, md.storage_data, size_of=storage.size)
+    problems += check_files_tiled(directory, ranges_by_file(md.storage_data), storage)
     per_file = ranges_by_file(md.storage_data)
     status, checked = "absent", 0
     if checksums:
-        status, checked, crc_problems = _checksums(directory, per_file, progress)
+        status, checked, crc_problems = _checksums(directory, per_file, progress, storage)
         problems += crc_problems
     prepared_status = None
     if prepared is not None:
-        diffs = compare_with_prepared(md, prepared)
+        diffs = compare_with_prepared(md, prepared, storage_options)
         prepared_status = "differs" if diffs else "matches"
         problems += diffs
     files = {rel: max(off + n for off, n, _ in rs) for rel, rs in sorted(per_file.items())}

@@ -31,6 +31,8 @@ import torch
 from ._format import CHECKSUM_FORMAT, ItemKey, checksum_path
 from ._protocol import WriteResult
 from ._records import CrcAhead, FrameCache, raw_bytes, record_crc, writev_all
+from ._storage import is_url, storage_for
+from ._upload import ObjectUpload
 
 
 class _CrcStream:
@@ -44,12 +46,23 @@ class _CrcStream:
         self.crc = zlib.crc32(b, self.crc)
         return self.raw.write(b)
 
+    def write_stable(self, b: memoryview) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        return _write_stable(self.raw, b)
+
     def take(self) -> int:
         crc, self.crc = self.crc, 0
         return crc
 
     def __getattr__(self, name: str) -> object:  # tell, flush, fileno, close, ...
         return getattr(self.raw, name)
+
+
+def _write_stable(stream: BinaryIO, data: memoryview) -> int:
+    """Write staged bytes, which stay valid until the file is closed: an object upload sends
+    them without a copy (``ObjectUpload.write_stable``); a file just writes them."""
+    write = getattr(stream, "write_stable", None)
+    return write(data) if write is not None else stream.write(data)
 
 
 def bytes_slot(n: int) -> int:
@@ -175,14 +188,34 @@ class FileWriter:
 
     fsync: bool = True
     checksums: bool = False
+    #: URL destinations: keyword arguments of the fsspec filesystem (set by the engine from
+    #: ``CheckpointerOptions.storage_options`` unless given here).
+    storage_options: dict | None = None
+    #: URL destinations on S3: the size of the first parts of a data file's multipart upload
+    #: (parts grow after 2,000 of them) and the parts in flight at once per file; a file's
+    #: upload holds at most about ``part_size * upload_concurrency`` bytes of copies.
+    part_size: int = 16 << 20
+    upload_concurrency: int = 8
 
-    def __init__(self, fsync: bool = True, checksums: bool = False) -> None:
+    def __init__(self, fsync: bool = True, checksums: bool = False, *, storage_options: dict | None = None,
+                 part_size: int | None = None, upload_concurrency: int | None = None) -> None:
         self.fsync = fsync
         #: Record a CRC32 of every record in a sidecar ``<file>.crc32`` (JSON), written and
         #: fsynced before the data file's results are reported, so before ``.metadata``.
         self.checksums = checksums
+        if storage_options is not None:
+            self.storage_options = dict(storage_options)
+        if part_size is not None:
+            self.part_size = part_size
+        if upload_concurrency is not None:
+            self.upload_concurrency = upload_concurrency
 
     def open(self, path: str) -> BinaryIO:
+        """A new file at ``path``; for a URL an :class:`~solosave._upload.ObjectUpload`, whose
+        object appears only when :meth:`close` commits it."""
+        if is_url(path):
+            return storage_for(path, self.storage_options).open_upload(  # type: ignore[union-attr,return-value]
+                path, self.part_size, self.upload_concurrency)
         return open(path, "wb")  # noqa: SIM115 - closed in write_file
 
     def write_record(self, stream: BinaryIO, record: Record, crc: Callable[[], int] | None = None) -> None:
@@ -202,7 +235,7 @@ class FileWriter:
                 return
             data = raw_bytes(record.tensor)
             stream.write(frame.prefix)
-            stream.write(data)
+            _write_stable(stream, data)
             stream.write(frame.suffix_with(crc() if crc is not None else record_crc(data)))
         except (RuntimeError, OSError) as e:  # torch's zip writer hides the OSError of a failed write
             raise _write_error(stream, record, e) from e
@@ -218,6 +251,9 @@ class FileWriter:
         return {k: v for k, v in self.__dict__.items() if k != "_frames"}
 
     def close(self, stream: BinaryIO) -> None:
+        if isinstance(stream, ObjectUpload):  # no fsync: the object appears, whole, when committed
+            stream.commit()
+            return
         stream.flush()
         if self.fsync:
             os.fsync(stream.fileno())
@@ -226,7 +262,9 @@ class FileWriter:
     def write_file(self, directory: str, relative_path: str, records: Sequence[Record]) -> list[WriteResult]:
         path = os.path.join(directory, relative_path)
         sidecar = checksum_path(path)
-        if not self.checksums and os.path.exists(sidecar):
+        if not self.checksums and is_url(sidecar):
+            storage_for(sidecar, self.storage_options).remove(sidecar)  # (see below)
+        elif not self.checksums and os.path.exists(sidecar):
             os.remove(sidecar)  # a stale sidecar of an overwritten checkpoint would mislead verify
         raw = self.open(path)
         stream: BinaryIO = _CrcStream(raw) if self.checksums else raw  # type: ignore[assignment]
@@ -320,6 +358,9 @@ class FileWriter:
         doc = {"format": CHECKSUM_FORMAT,
                "records": [{"offset": off, "length": n, "crc32": c}
                            for (_, _, off, n), c in zip(results, crcs, strict=True)]}
+        if is_url(sidecar):
+            storage_for(sidecar, self.storage_options).commit(sidecar, json.dumps(doc, separators=(",", ":")).encode())
+            return
         with open(sidecar, "wb") as f:
             f.write(json.dumps(doc, separators=(",", ":")).encode())
             f.flush()

@@ -1,5 +1,8 @@
 """The ``solosave`` command line: ``train``, ``inspect``, ``verify``, ``prepare``, ``export``.
 
+``inspect``, ``verify`` and ``prepare`` take URLs too (``s3://bucket/run/iter_0000100``), with the
+storage's usual credentials (for S3 the standard AWS variables) or ``--storage-options JSON``.
+
 Every subcommand runs in one process without torch.distributed (``train`` launches its own
 ranks). Errors a user can fix (a missing path, a directory without ``.metadata``, a corrupt or
 mismatched prepared file) print one ``solosave <command>: error: ...`` line and exit with 2;
@@ -15,12 +18,12 @@ from collections import defaultdict
 from typing import Any
 
 
-def _inspect(path: str, as_json: bool) -> int:
+def _inspect(path: str, as_json: bool, storage_options: dict | None = None) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ._prepared import load_prepared_metadata
 
-    prepared = load_prepared_metadata(path)
+    prepared = load_prepared_metadata(path, storage_options=storage_options)
     md = prepared.metadata
     items = []
     for fqn in sorted(md.state_dict_metadata):
@@ -66,16 +69,19 @@ def _inspect(path: str, as_json: bool) -> int:
     return 0
 
 
-def _prepare(src: str, out: str, world_size: int | None, workers: int | None) -> int:
+def _prepare(src: str, out: str, world_size: int | None, workers: int | None,
+             storage_options: dict | None = None) -> int:
     from ._prepared import PreparedMetadata, load_prepared_metadata, save_prepared_metadata
 
-    p = load_prepared_metadata(src)
-    save_prepared_metadata(PreparedMetadata.from_metadata(p.metadata, world_size, workers, source=out), out)
+    p = load_prepared_metadata(src, storage_options=storage_options)
+    save_prepared_metadata(PreparedMetadata.from_metadata(p.metadata, world_size, workers, source=out), out,
+                           storage_options=storage_options)
     print(f"wrote prepared metadata {out} from {p.source}")
     return 0
 
 
-def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, progress: bool) -> int:
+def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, progress: bool,
+            storage_options: dict | None = None) -> int:
     from ._progress import ProgressBar
     from ._verify import verify_checkpoint
 
@@ -87,7 +93,8 @@ def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, pro
         bars[0].update(n / 1e6)
 
     try:
-        report = verify_checkpoint(path, prepared=prepared, checksums=checksums, progress=advance)
+        report = verify_checkpoint(path, prepared=prepared, checksums=checksums, progress=advance,
+                                   storage_options=storage_options)
     finally:
         for bar in bars:
             bar.close()
@@ -165,6 +172,14 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _storage_flag(parser: argparse.ArgumentParser) -> None:
+    from ._options import json_object
+
+    parser.add_argument("--storage-options", type=json_object, default=None, metavar="JSON",
+                        help="paths may be URLs (s3://bucket/path; pip install 'solosave[s3]'): keyword "
+                        "arguments of their fsspec filesystem (default: the standard AWS variables apply)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -178,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("args", nargs=argparse.REMAINDER, help="options of the job (see `solosave train --help`)")
     i = sub.add_parser("inspect", help="show a checkpoint directory, .metadata or prepared file: "
                        "items, files, storage_meta, fingerprint")
-    i.add_argument("path", help="checkpoint directory, .metadata file or prepared-metadata file")
+    i.add_argument("path", help="prepared-metadata file, .metadata file or checkpoint directory (a path or a URL)")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    _storage_flag(i)
     v = sub.add_parser("verify", help="check that a checkpoint's data files hold every byte range "
                        "its .metadata names (and recorded checksums match)")
     v.add_argument("path", help="checkpoint directory")
@@ -188,11 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-checksums", action="store_true", help="skip the checksum pass even if recorded")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _storage_flag(v)
     p = sub.add_parser("prepare", help="make a prepared-metadata file from an existing checkpoint")
     p.add_argument("--from", dest="src", required=True, help="checkpoint directory or .metadata file")
     p.add_argument("--out", required=True, help="prepared-metadata file to write")
     p.add_argument("--world-size", type=_positive, default=None, help="record the run's world size (>= 1)")
     p.add_argument("--workers", type=_positive, default=None, help="record the run's files per rank (>= 1)")
+    _storage_flag(p)
     e = sub.add_parser("export", help="write a checkpoint's full (unsharded) tensors as safetensors or a "
                        "torch.save file, for evaluation and serving")
     e.add_argument("path", help="checkpoint directory")
@@ -225,15 +243,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "inspect":
-            return _inspect(args.path, args.json)
+            return _inspect(args.path, args.json, args.storage_options)
         if args.command == "prepare":
-            return _prepare(args.src, args.out, args.world_size, args.workers)
+            return _prepare(args.src, args.out, args.world_size, args.workers, args.storage_options)
         if args.command == "export":
             return _export(args)
         if args.command == "verify":
             return _verify(args.path, args.prepared, args.json, not args.no_checksums,
-                           not args.no_progress)
-    except (SolosaveError, OSError) as e:
+                           not args.no_progress, args.storage_options)
+    except (SolosaveError, OSError, ImportError, ValueError) as e:  # (a bad URL: ValueError, ImportError)
         print(f"solosave {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 1  # pragma: no cover - argparse enforces a command

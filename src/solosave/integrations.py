@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +41,14 @@ from ._errors import SolosaveError
 from ._format import METADATA_FILE
 from ._options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args
 from ._prepared import PreparedMetadata, load_prepared_metadata
-from ._publish import atomic_write
 from ._result import SaveResult
 from ._retention import Pruner, remove_checkpoint
+from ._storage import basename, join, storage_for
 
 log = logging.getLogger("solosave")
 
 LATEST_FILE = "latest"
+StorageOptions = Mapping[str, Any] | None  # keyword arguments of the fsspec filesystem of a URL
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 AUTO = "auto"
 PRUNE_WAIT_S = 300.0  # finish(): how long it waits for deletions still running, unless told
@@ -118,59 +120,73 @@ def _checkpointer_options(args: argparse.Namespace, prepared: PreparedMetadata |
 
 # -- the checkpoint directory ------------------------------------------------------------------
 def checkpoint_dir(save_dir: str | os.PathLike, step: int) -> str:
-    """``<save_dir>/iter_{step:07d}``."""
-    return os.path.join(os.fspath(save_dir), f"iter_{step:07d}")
+    """``<save_dir>/iter_{step:07d}`` (``save_dir`` a local path or a URL)."""
+    return join(save_dir, f"iter_{step:07d}")
 
 
-def published_checkpoints(save_dir: str | os.PathLike) -> list[tuple[int, str]]:
-    """``(step, path)`` of every checkpoint under ``save_dir`` with a published ``.metadata``,
-    oldest first. Partial checkpoints (no ``.metadata``) are left out."""
-    if not save_dir or not os.path.isdir(save_dir):
+def _iter_names(save_dir: str | os.PathLike, storage_options: StorageOptions) -> list[str]:
+    """The names in ``save_dir`` that look like checkpoints (none if it does not exist)."""
+    storage = storage_for(save_dir, storage_options)
+    path = os.fspath(save_dir)
+    try:
+        names = storage.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
         return []
+    return [n for n in names if _ITER_RE.match(n)]
+
+
+def published_checkpoints(save_dir: str | os.PathLike, storage_options: StorageOptions = None) -> list[tuple[int, str]]:
+    """``(step, path)`` of every checkpoint under ``save_dir`` (a local path or a URL;
+    ``storage_options``: keyword arguments of its fsspec filesystem) with a published
+    ``.metadata``, oldest first. Partial checkpoints (no ``.metadata``) are left out."""
+    if not save_dir:
+        return []
+    storage = storage_for(save_dir, storage_options)
     out = []
-    for name in os.listdir(save_dir):
-        m = _ITER_RE.match(name)
-        path = os.path.join(os.fspath(save_dir), name)
-        if m and os.path.isfile(os.path.join(path, METADATA_FILE)):
-            out.append((int(m.group(1)), path))
+    for name in _iter_names(save_dir, storage_options):
+        path = join(save_dir, name)
+        if storage.isfile(join(path, METADATA_FILE)):
+            out.append((int(_ITER_RE.match(name).group(1)), path))  # type: ignore[union-attr]
     return sorted(out)
 
 
-def find_latest_checkpoint(save_dir: str | os.PathLike | None) -> tuple[int, str] | None:
+def find_latest_checkpoint(save_dir: str | os.PathLike | None,
+                           storage_options: StorageOptions = None) -> tuple[int, str] | None:
     """The newest published checkpoint under ``save_dir`` as ``(step, path)``, or ``None``.
 
     The directory listing decides, not the ``latest`` marker: a marker that is missing or points
     at a removed checkpoint does not hide a newer published one."""
-    found = published_checkpoints(save_dir) if save_dir else []
+    found = published_checkpoints(save_dir, storage_options) if save_dir else []
     return found[-1] if found else None
 
 
 def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, keep_every: int | None = None,
-                         below: int | None = None) -> list[str]:
+                         below: int | None = None, storage_options: StorageOptions = None) -> list[str]:
     """The checkpoint directories that retention deletes now, oldest first: every one (published
     or partial) older than the newest published one, except the ``keep_last`` newest published
     ones and the published ones whose step is a multiple of ``keep_every``. ``below``: consider
     only steps below it (the manager passes the step it last published, so a save it started
     since is never touched). Nothing without ``keep_last``."""
-    published = published_checkpoints(save_dir)
+    published = published_checkpoints(save_dir, storage_options)
     if keep_last is None or not published:
         return []
     limit = published[-1][0] if below is None else min(published[-1][0], below)
     keep = {s for s, _ in published[-keep_last:]}
     keep |= {s for s, _ in published if keep_every and s % keep_every == 0}
     out = []
-    for name in os.listdir(save_dir):
-        m = _ITER_RE.match(name)
-        if m and int(m.group(1)) < limit and int(m.group(1)) not in keep:
-            out.append((int(m.group(1)), os.path.join(os.fspath(save_dir), name)))
+    for name in _iter_names(save_dir, storage_options):
+        step = int(_ITER_RE.match(name).group(1))  # type: ignore[union-attr]
+        if step < limit and step not in keep:
+            out.append((step, join(save_dir, name)))
     return [path for _, path in sorted(out)]
 
 
-def prepared_for_resume(resumed_from: str, world_size: int, workers: int) -> PreparedMetadata | None:
+def prepared_for_resume(resumed_from: str, world_size: int, workers: int,
+                        storage_options: StorageOptions = None) -> PreparedMetadata | None:
     """The ``.metadata`` of ``resumed_from`` as prepared metadata, if it fits this run
     (``--ckpt-metadata auto``); ``None`` (with a log line saying why) otherwise."""
     try:
-        prepared = load_prepared_metadata(resumed_from)
+        prepared = load_prepared_metadata(resumed_from, storage_options=storage_options)
         prepared.check_compatible(world_size, workers)
     except (SolosaveError, OSError) as e:  # a mismatched or unreadable file: create one instead
         log.warning("solosave: --ckpt-metadata auto: not reusing %s: %s", resumed_from, e)
@@ -188,7 +204,8 @@ def checkpointer_from_args(args: argparse.Namespace, process_group: Any = None,
     validate_checkpoint_args(args)
     prepared = None
     if args.prepared_metadata == AUTO and resumed_from is not None:
-        prepared = prepared_for_resume(resumed_from, dist.get_world_size(process_group), args.workers)
+        prepared = prepared_for_resume(resumed_from, dist.get_world_size(process_group), args.workers,
+                                       getattr(args, "storage_options", None))
     options = _checkpointer_options(args, prepared)
     if overrides:
         options = dataclasses.replace(options, **overrides)
@@ -233,6 +250,10 @@ class CheckpointManager:
         if keep_every is not None and keep_every < 1:
             raise ValueError(f"keep_every must be >= 1, got {keep_every}")
         self.save_dir = os.fspath(save_dir)
+        #: Keyword arguments of the fsspec filesystem of a URL ``save_dir`` (the checkpointer's).
+        self.storage_options = getattr(getattr(checkpointer, "options", None), "storage_options", None)
+        if remover is remove_checkpoint and self.storage_options:
+            remover = functools.partial(remove_checkpoint, storage_options=self.storage_options)
         self.checkpointer = checkpointer
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -244,7 +265,8 @@ class CheckpointManager:
         self._pending: tuple[int, SaveHandle] | None = None
         self._published_step: int | None = None  # read by the pruner's thread
         self._pruner = Pruner(lambda: prunable_checkpoints(self.save_dir, self.keep_last, self.keep_every,
-                                                           below=self._published_step), remover)
+                                                           below=self._published_step,
+                                                           storage_options=self.storage_options), remover)
 
     @property
     def is_coordinator(self) -> bool:
@@ -307,17 +329,18 @@ class CheckpointManager:
         return [done]
 
     def _mark_latest(self, done: PublishedSave) -> None:
-        atomic_write(os.path.join(self.save_dir, LATEST_FILE),
-                     (os.path.basename(done.path) + "\n").encode())
+        """Replace ``latest`` at once (a rename locally, one object write on an object store)."""
+        storage_for(self.save_dir, self.storage_options).commit(
+            join(self.save_dir, LATEST_FILE), (basename(done.path) + "\n").encode())
 
 
-def read_latest_marker(save_dir: str | os.PathLike) -> str | None:
+def read_latest_marker(save_dir: str | os.PathLike, storage_options: StorageOptions = None) -> str | None:
     """The checkpoint name in ``<save_dir>/latest``, or ``None``."""
     try:
-        with open(os.path.join(save_dir, LATEST_FILE)) as f:
-            return f.read().strip() or None
+        data = storage_for(save_dir, storage_options).read(join(save_dir, LATEST_FILE))
     except FileNotFoundError:
         return None
+    return data.decode().strip() or None
 
 
 __all__ = [

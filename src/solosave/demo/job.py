@@ -102,7 +102,7 @@ def state_dict(state: RankState, step: int, position: int) -> dict[str, Any]:
 
 def _resume_point(args: argparse.Namespace) -> tuple[int, str] | None:
     """Rank 0 picks the newest published checkpoint under ``--load``; every rank gets its choice."""
-    choice = [find_latest_checkpoint(args.load) if dist.get_rank() == 0 else None]
+    choice = [find_latest_checkpoint(args.load, args.storage_options) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
 
@@ -117,12 +117,12 @@ def resume(args: argparse.Namespace, state: RankState) -> tuple[int, int]:
         return 0, 0
     t0 = time.perf_counter()
     sd = state_dict(state, 0, 0)
-    saved = solosave.load_prepared_metadata(point[1]).metadata.state_dict_metadata
+    saved = solosave.load_prepared_metadata(point[1], storage_options=args.storage_options).metadata.state_dict_metadata
     own_rng = f"rng.rank{state.rank}" in saved
     if not own_rng:  # resumed at a larger world size: this rank has no RNG state in the checkpoint
         del sd["rng"]
     t_load = time.perf_counter()
-    solosave.load(sd, point[1])
+    solosave.load(sd, point[1], storage_options=args.storage_options)
     t_load = time.perf_counter() - t_load
     set_state_dict(state.train_model, state.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     step, position = int(sd["train"]["step"]), int(sd["train"]["data_position"])
@@ -217,7 +217,7 @@ def finish(state: RankState, manager: CheckpointManager | None, failures: int) -
     Returns the rank's exit status: 1 if a save failed or the verification found problems."""
     if state.rank == 0 and manager is not None and manager.done and manager.done[-1].result is not None:
         last = manager.done[-1].path
-        report = solosave.verify_checkpoint(last)
+        report = solosave.verify_checkpoint(last, storage_options=manager.storage_options)
         print(f"verified {last}: {'ok' if report.ok else report.problems} "
               f"({report.records} records, checksums {report.checksums})", flush=True)
         failures += 0 if report.ok else 1

@@ -1,0 +1,108 @@
+"""Rank functions of the load tests (module-level: spawned processes import them).
+
+The resharding state: DTensors over a 1-d mesh whose chunk boundaries at W=2 and W=3 do not
+align, two of them sharded along another dimension at load than at save (inner-dimension
+reads), one large enough for the direct read path, plus a replicated plain tensor and a value.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import solosave
+
+SHAPES = {"a": ((10, 6), torch.float32), "b": ((4, 7), torch.bfloat16), "c": ((600, 256), torch.float32),
+          "d": ((600, 256), torch.float32), "i": ((9, 5), torch.int8)}
+#: The dimension each tensor is sharded along when saved, and when loaded.
+SAVE_DIM = {"a": 0, "b": 1, "c": 0, "d": 0, "i": 0}
+LOAD_DIM = {"a": 0, "b": 1, "c": 1, "d": 0, "i": 1}
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for k, (shape, dt) in SHAPES.items():
+        out[k] = (torch.randn(shape, generator=g).to(dt) if dt.is_floating_point
+                  else torch.randint(-100, 100, shape, generator=g).to(dt))
+    out["p"] = torch.arange(1000, dtype=torch.int64)
+    return out
+
+
+def _state(ws: int, dims: dict[str, int], values: dict[str, torch.Tensor], step: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ws,))
+    sd = {k: distribute_tensor(values[k], mesh, [Shard(dims[k])]) for k in SHAPES}
+    sd["p"] = values["p"].clone()
+    sd["step"] = step
+    return sd
+
+
+def save_sharded(rank: int, ws: int, root: str) -> None:
+    """Save the state at this world size with solosave (``root/solo``) and stock DCP (``root/stock``)."""
+    sd = _state(ws, SAVE_DIM, full_tensors(), 41)
+    with solosave.AsyncCheckpointer(persistent_worker=False) as ckpt:
+        ckpt.save(sd, os.path.join(root, "solo")).wait(timeout=60)
+    dcp.save(sd, checkpoint_id=os.path.join(root, "stock"))
+
+
+def load_resharded(rank: int, ws: int, root: str) -> dict:
+    """Load both checkpoints with both loaders into shards along ``LOAD_DIM``; which values
+    came back bit for bit (the full tensors, gathered)."""
+    want = full_tensors()
+    zeros = {k: torch.zeros_like(v) for k, v in want.items()}
+    out = {}
+    for src in ("solo", "stock"):
+        for how in ("solosave", "dcp"):
+            sd = _state(ws, LOAD_DIM, zeros, 0)
+            path = os.path.join(root, src)
+            solosave.load(sd, path) if how == "solosave" else dcp.load(sd, checkpoint_id=path)
+            ok = {k: torch.equal(sd[k].full_tensor(), want[k]) for k in SHAPES}
+            ok["p"] = torch.equal(sd["p"], want["p"])
+            ok["step"] = sd["step"] == 41
+            out[f"{src}/{how}"] = ok
+    return out
+
+
+def errors_agree(rank: int, ws: int, root: str) -> list[str]:
+    """A failure on one rank only (a wrong shape on rank 1; rank 1's data file truncated)
+    raises the same error on every rank."""
+    path = os.path.join(root, "ck")
+    dcp.save({"w": torch.arange(8.0), f"r{rank}": torch.full((4096,), float(rank))}, checkpoint_id=path)
+    errors = []
+    for case in ("shape", "truncated"):
+        if case == "truncated" and rank == 1:
+            with open(os.path.join(path, "__1_0.distcp"), "r+b") as f:
+                f.truncate(100)
+        dist.barrier()
+        sd = {"w": torch.zeros(9 if case == "shape" and rank == 1 else 8), f"r{rank}": torch.zeros(4096)}
+        try:
+            solosave.load(sd, path)
+            errors.append("loaded")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+def custom_planner_loads(rank: int, ws: int, root: str) -> dict:
+    """A planner with a global step of its own goes through DCP's collective load (which
+    calls that step on rank 0); the values arrive as with the default planner."""
+    from solosave._load import SafeLoadPlanner
+
+    calls = []
+
+    class Planner(SafeLoadPlanner):
+        def create_global_plan(self, global_plan):
+            calls.append(len(global_plan))
+            return super().create_global_plan(global_plan)
+
+    path = os.path.join(root, "ck")
+    dcp.save({"w": torch.arange(8.0), f"r{rank}": torch.full((4096,), float(rank))}, checkpoint_id=path)
+    sd = {"w": torch.zeros(8), f"r{rank}": torch.zeros(4096)}
+    solosave.load(sd, path, planner=Planner())
+    return {"calls": calls, "ok": torch.equal(sd["w"], torch.arange(8.0)) and bool((sd[f"r{rank}"] == rank).all())}
