@@ -68,6 +68,12 @@ def _machine() -> dict[str, Any]:
             "cuda": torch.cuda.is_available(), "loadavg_start": os.getloadavg()}
 
 
+#: Each part of the report: how its table is printed and its plots drawn (in this order).
+_PRINTERS = {"save": (rep.print_save, rep.plot_save), "scale": (rep.print_scale, rep.plot_scale),
+             "limits": (limits_bench.print_limits, limits_bench.plot_limits),
+             "load": (load_bench.print_load, load_bench.plot_load), "s3": (s3_bench.print_s3, s3_bench.plot_s3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     scale_world_sizes = [int(w) for w in (args.world_sizes or "").split(",") if w]
@@ -133,21 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"]["loadavg_end"] = os.getloadavg()
 
     files: list[Path] = []
-    if "save" in report:
-        rep.print_save(report["save"])
-        files += rep.plot_save(report["save"], plots)
-    if "scale" in report:
-        rep.print_scale(report["scale"])
-        files += rep.plot_scale(report["scale"], plots)
-    if "limits" in report:
-        limits_bench.print_limits(report["limits"])
-        files += limits_bench.plot_limits(report["limits"], plots)
-    if "load" in report:
-        load_bench.print_load(report["load"])
-        files += load_bench.plot_load(report["load"], plots)
-    if "s3" in report:
-        s3_bench.print_s3(report["s3"])
-        files += s3_bench.plot_s3(report["s3"], plots)
+    for part, (show, plot) in _PRINTERS.items():
+        if part in report:
+            show(report[part])
+            files += plot(report[part], plots)
     if args.json and "scale" in report:
         Path(args.json).write_text(json.dumps({"scale": scale_summary(report["scale"])}, indent=1))
     json_path = out / "benchmarks.json"
