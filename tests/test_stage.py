@@ -107,6 +107,8 @@ def test_an_overlapped_staging_that_does_not_finish_times_out(gated_copy):
         _, staging = stager.stage(plan.specs, plan.values, overlap=True)
         with pytest.raises(SaveTimeoutError, match="staging did not finish"):
             staging.wait(0.2)
+        with pytest.raises(SaveTimeoutError, match="staging copies did not finish"):
+            staging.synchronize(0.2)  # the background's wait is bounded too
         gated_copy.set()
         staging.wait(30)
     finally:

@@ -274,7 +274,7 @@ class AsyncCheckpointer:
         def after_copies() -> None:
             try:
                 try:
-                    staging.synchronize()
+                    staging.synchronize(self.options.timeout)
                     todo = job
                 except Exception as e:  # noqa: BLE001 - the save fails on every rank, naming it
                     todo = SaveSession.fail_staged(job, e)

@@ -35,6 +35,7 @@ import mmap
 import os
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -359,13 +360,19 @@ class Staging:
         if self.error is not None:
             raise self.error
 
-    def synchronize(self) -> None:
-        """Background (submit thread): block until the copies are done, then check them."""
+    def synchronize(self, timeout: float = 600.0) -> None:
+        """Background (submit thread): wait (at most ``timeout`` seconds) until the copies are
+        done, then check them."""
+        deadline = time.monotonic() + timeout
         if self.event is not None:
-            self.event.synchronize()
+            while not self.event.query():  # polled, so that the wait is bounded
+                if time.monotonic() > deadline:
+                    raise SaveTimeoutError(f"the staging copies did not finish within {timeout:g} s")
+                time.sleep(0.0005)
             self.check()
         else:
-            self._done.wait()
+            if not self._done.wait(timeout):
+                raise SaveTimeoutError(f"the staging copies did not finish within {timeout:g} s")
             if self.error is not None:
                 raise self.error
 
