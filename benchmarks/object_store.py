@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .ranks import free_port, run_ranks
+from .ranks import environ, free_port, run_ranks
 
 Json = dict[str, Any]
 MiB = 1 << 20
@@ -157,19 +157,10 @@ def run_s3_bench(cfg: Json, progress: Any) -> Json:
     import fsspec
 
     progress.step(f"s3: W={WORLD_SIZE}, {cfg['per_rank_mib']} MiB per rank, {cfg['saves']} saves per method")
-    with s3_server() as env:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            bucket = f"bench-{os.getpid()}"
-            fsspec.filesystem("s3").mkdir(f"s3://{bucket}")
-            res = run_ranks(rank_s3, WORLD_SIZE, {**cfg, "bucket": bucket}, timeout=cfg["timeout"], env=env)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with s3_server() as env, environ(env):
+        bucket = f"bench-{os.getpid()}"
+        fsspec.filesystem("s3").mkdir(f"s3://{bucket}")
+        res = run_ranks(rank_s3, WORLD_SIZE, {**cfg, "bucket": bucket}, timeout=cfg["timeout"], env=env)
     total_bytes = sum(r["bytes"] for r in res)
     methods: Json = {}
     for m in METHODS:

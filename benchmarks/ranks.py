@@ -10,19 +10,35 @@ must be a module-level function (it is pickled into the spawned interpreters).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 #: Seconds a rank process gets to exit after it reported, before it is killed.
 JOIN_S = 10.0
 #: Once a rank failed, seconds the others get to report (they may wait for it in a collective).
 AFTER_FAILURE_S = 30.0
+
+
+@contextlib.contextmanager
+def environ(updates: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``updates`` applied, restored afterwards (spawned ranks inherit it)."""
+    old = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:

@@ -357,25 +357,16 @@ def _div(a: float, b: float) -> float | None:
 # ---------------------------------------------------------------------------------------------
 
 def _launch(fn: Any, ws: int, *args: Any, timeout: float, log_dir: str | None = None) -> list[Json]:
-    from .ranks import run_ranks
+    from .ranks import environ, run_ranks
 
     env = {}
     if log_dir is not None:
         env["SOLOSAVE_BENCH_COLLECTIVE_LOG"] = log_dir
     # The children are spawned interpreters: PYTHONPATH (for sitecustomize) must be in *this*
     # process's environment when they start, not only in what the rank process sets later.
-    old = {k: os.environ.get(k) for k in ("PYTHONPATH", "SOLOSAVE_BENCH_COLLECTIVE_LOG")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WRAP_DIR), str(REPO), old["PYTHONPATH"]) if p)
-    if log_dir is not None:
-        os.environ["SOLOSAVE_BENCH_COLLECTIVE_LOG"] = log_dir
-    try:
+    path = os.pathsep.join(p for p in (str(WRAP_DIR), str(REPO), os.environ.get("PYTHONPATH")) if p)
+    with environ({"PYTHONPATH": path, **env}):
         return run_ranks(fn, ws, *args, timeout=timeout, env=env)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_save_bench(cfg: Json, out_dir: Path, progress: Any) -> Json:
