@@ -76,6 +76,8 @@ class StructureCache:
         self._keys: list[str] | None = None
         self._signature: list[Any] | None = None
         self._plan: LocalPlan | None = None
+        #: Positions of the DTensor leaves of the cached structure (their shards are staged).
+        self._dtensors: list[int] = []
         self.hits = 0
 
     def plan(self, state_dict: Mapping[str, Any]) -> LocalPlan:
@@ -94,9 +96,8 @@ class StructureCache:
         cached = self._plan
         # plain tensors as they are (staging copies them without autograd); DTensors' shards
         fresh = dict(zip(keys, values))
-        for key, sig in zip(keys, signature):
-            if isinstance(sig, tuple) and sig[0] is not torch.Tensor and sig[0] is not torch.nn.Parameter:
-                fresh[key] = fresh[key].to_local()
+        for i in self._dtensors:
+            fresh[keys[i]] = values[i].to_local()
         return LocalPlan(cached.specs, fresh, cached.planner_data, by_key=cached.by_key)
 
     def _replan(self, state_dict: Any) -> LocalPlan:
@@ -106,4 +107,5 @@ class StructureCache:
         signature = [_signature(v) for v in values]
         if None not in signature:
             self._keys, self._signature, self._plan = keys, signature, plan
+            self._dtensors = [i for i, v in enumerate(values) if _is_dtensor(v)]
         return plan
