@@ -4,8 +4,9 @@ Two cases at W=2 ranks (gloo, ``OMP_NUM_THREADS=1`` as torchrun sets it), each r
 own fp32 tensors: ``large`` = 32 x 4 MiB per rank, ``small`` = 2048 x 32 KiB per rank. For each,
 one launch measures the limits with every rank at once (``copy_`` of the same bytes into
 preallocated memory; a sequential write + ``fsync`` of the same bytes), then solosave reuse saves
-(``solosave_create_reuse``) and stock DCP ``async_save`` run on the same state, one after the
-other (the save benchmark's machinery, ``save_modes.run_save_bench``). Per save the slowest rank
+(``solosave_create_reuse``), the same with zlib's CRC32 instead of ISA-L's
+(``solosave_create_reuse_zlib``: what the CRC costs) and stock DCP ``async_save`` run on the same
+state, one after the other (the save benchmark's machinery, ``save_modes.run_save_bench``). Per save the slowest rank
 counts; medians of the steady saves (the first saves, which create the prepared metadata, are
 reported apart). Ratios, all from the same run:
 
@@ -29,7 +30,7 @@ WORLD_SIZE = 2
 CASES: dict[str, tuple[int, int]] = {"large": (32, 4 * MiB), "small": (2048, 32 * 1024)}
 GOALS = {"large": {"stall_over_memcpy": 1.2, "published_over_raw_write": 1.25},
          "small": {"stall_over_memcpy": 2.0, "published_over_raw_write": 1.25}}
-MODES = ("solosave_create_reuse", "dcp_async_thread")
+MODES = ("solosave_create_reuse", "solosave_create_reuse_zlib", "dcp_async_thread")
 
 
 def run_limits_bench(cfg: Json, out_dir: Path, progress: Any) -> Json:
@@ -69,7 +70,7 @@ def _ratios(name: str, entry: Json) -> Json:
 
 def print_limits(report: Json) -> None:
     print("\n== the save at the machine's limits (W=2, slowest rank, medians of steady saves) ==")
-    print(f"{'case':<22}{'mode':<24}{'stall ms':>9}{'memcpy ms':>10}{'ratio':>7}{'goal':>6}"
+    print(f"{'case':<22}{'mode':<28}{'stall ms':>9}{'memcpy ms':>10}{'ratio':>7}{'goal':>6}"
           f"{'published ms':>13}{'raw write ms':>13}{'ratio':>7}{'goal':>6}")
     for name, c in report["cases"].items():
         label = f"{name} {c['tensors_per_rank']}x{c['bytes_per_tensor'] // 1024}KiB"
@@ -77,9 +78,9 @@ def print_limits(report: Json) -> None:
         for m in MODES:
             r = c["ratios"].get(m)
             if r is None:
-                print(f"{label:<22}{m:<24} FAILED: {c['modes'].get(m)}")
+                print(f"{label:<22}{m:<28} FAILED: {c['modes'].get(m)}")
                 continue
-            print(f"{label:<22}{m:<24}{r['stall_ms']:>9.1f}{r['memcpy_ms']:>10.1f}{r['stall_over_memcpy']:>7.2f}"
+            print(f"{label:<22}{m:<28}{r['stall_ms']:>9.1f}{r['memcpy_ms']:>10.1f}{r['stall_over_memcpy']:>7.2f}"
                   f"{goals['stall_over_memcpy']:>6.2f}{r['published_ms']:>13.1f}{r['raw_write_ms']:>13.1f}"
                   f"{r['published_over_raw_write']:>7.2f}{goals['published_over_raw_write']:>6.2f}")
 
@@ -96,10 +97,10 @@ def plot_limits(report: Json, out_dir: Path) -> list[Path]:
     names = list(report["cases"])
     for ax, key, title in ((axes[0], "stall_over_memcpy", "stall / memcpy"),
                            (axes[1], "published_over_raw_write", "published / raw write+fsync")):
-        width = 0.38
+        width = 0.8 / len(MODES)
         for i, m in enumerate(MODES):
             vals = [report["cases"][n]["ratios"].get(m, {}).get(key, 0.0) for n in names]
-            ax.bar([x + (i - 0.5) * width for x in range(len(names))], vals, width, label=m)
+            ax.bar([x + (i - (len(MODES) - 1) / 2) * width for x in range(len(names))], vals, width, label=m)
         for x, n in enumerate(names):
             g = report["cases"][n]["ratios"]["goals"][key]
             ax.hlines(g, x - 0.45, x + 0.45, colors="k", linestyles="dashed")

@@ -22,6 +22,8 @@ Modes (``MODES``):
                               metadata; every later save is a reuse save (one 8-byte all_reduce)
 ``solosave_create_reuse``     ``AsyncCheckpointer(prepared_metadata=FILE, create_prepared_metadata=True)``:
                               the same, with the prepared metadata also written to FILE
+``solosave_create_reuse_zlib`` the same with ``SOLOSAVE_CRC32=zlib``: the records' CRC32 by
+                              zlib instead of ISA-L (``solosave._checksum``; ``--only limits``)
 
 Per save and rank: *block* is the time inside the save call (``dcp.save``, ``async_save``,
 ``AsyncCheckpointer.save``); *to_published* is from entering it until the checkpoint is complete
@@ -50,6 +52,10 @@ MiB = 1 << 20
 DCP_MODES = ("dcp_save", "dcp_async_thread", "dcp_async_thread_plancache", "dcp_async_process",
              "dcp_async_process_plancache", "dcp_async_nocoll")
 SOLOSAVE_MODES = ("solosave_collective", "solosave_constant", "solosave_create_reuse")
+#: Run on request only (not in MODES): solosave_create_reuse with zlib's CRC32.
+EXTRA_MODES = ("solosave_create_reuse_zlib",)
+#: Environment of a mode's rank processes (set before they start: their workers read it at import).
+MODE_ENV = {"solosave_create_reuse_zlib": {"SOLOSAVE_CRC32": "zlib"}}
 MODES = DCP_MODES + SOLOSAVE_MODES
 #: Short labels for tables and plots.
 LABELS = {
@@ -61,6 +67,7 @@ LABELS = {
     "solosave_collective": "solosave collective",
     "solosave_constant": "solosave constant structure (in-memory prepared)",
     "solosave_create_reuse": "solosave create+reuse",
+    "solosave_create_reuse_zlib": "solosave create+reuse, zlib CRC32",
 }
 
 Json = dict[str, Any]
@@ -177,7 +184,7 @@ class _SolosaveSaver:
         kwargs: Json = {"workers": 1, "persistent_worker": True}
         if mode == "solosave_constant":
             kwargs["assume_constant_structure"] = True
-        elif mode == "solosave_create_reuse":
+        elif mode in ("solosave_create_reuse", "solosave_create_reuse_zlib"):
             kwargs["prepared_metadata"] = os.path.join(mode_dir, "prepared.metadata")
             kwargs["create_prepared_metadata"] = True
         self._ckpt = solosave.AsyncCheckpointer(**kwargs)
@@ -356,10 +363,11 @@ def _div(a: float, b: float) -> float | None:
 # Driver
 # ---------------------------------------------------------------------------------------------
 
-def _launch(fn: Any, ws: int, *args: Any, timeout: float, log_dir: str | None = None) -> list[Json]:
+def _launch(fn: Any, ws: int, *args: Any, timeout: float, log_dir: str | None = None,
+            extra_env: dict[str, str] | None = None) -> list[Json]:
     from .ranks import environ, run_ranks
 
-    env = {}
+    env = dict(extra_env or {})
     if log_dir is not None:
         env["SOLOSAVE_BENCH_COLLECTIVE_LOG"] = log_dir
     # The children are spawned interpreters: PYTHONPATH (for sitecustomize) must be in *this*
@@ -396,7 +404,8 @@ def run_save_bench(cfg: Json, out_dir: Path, progress: Any) -> Json:
                 shutil.rmtree(d, ignore_errors=True)
                 os.makedirs(d)
             try:
-                per_rank = _launch(rank_fns.rank_mode, ws, m, wcfg, timeout=cfg["timeout"], log_dir=log_dir)
+                per_rank = _launch(rank_fns.rank_mode, ws, m, wcfg, timeout=cfg["timeout"], log_dir=log_dir,
+                                   extra_env=MODE_ENV.get(m))
             except AssertionError as e:
                 entry["modes"][m] = {"error": str(e)}
                 progress.note(f"[world {ws}] {m}: FAILED after {time.perf_counter() - t0:.1f} s:\n{e}")

@@ -28,8 +28,8 @@ two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1
   ``state_dict_metadata``), pickling the scattered ``PlanDecision`` s, unpickling the
   ``WriteReport`` s (``bucket_items`` layout, as ``write_assigned`` makes it), ``finish`` on a real
   coordinator ``Engine`` (over an in-process channel, which ``finish`` does not use): results
-  cover the plan, ``Metadata``, ``MetadataTemplate``, atomic ``.metadata`` write with fsync, no
-  prepared file; and pickling the ``FinishNotice`` broadcast, which carries the metadata now
+  cover the plan, ``Metadata``, ``MetadataTemplate``, the prepared file, the load index written
+  (fsync), atomic ``.metadata`` write with fsync; and pickling the ``FinishNotice`` broadcast, which carries the metadata now
   prepared to every rank (the coordinator total includes pickling it, as DCP's includes pickling
   its ``Metadata`` broadcast). For comparison the planning payload is also built in the wire form
   solosave used before the typed protocol (a plain 6-tuple, rebuilt in this module): the
@@ -42,10 +42,13 @@ two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1
   buckets of items other ranks write) - timed and with the bytes it read, and the pickled size of
   the prepared metadata its trainer sends its worker; the coordinator's template read at start-up
   (``t_template_once``) or adoption of the create save's template (``t_template_after_create``);
-  per save ``render`` + ``publish_metadata`` (atomic write, fsync), and per rank per save
+  per save the load index and ``render`` + ``publish_metadata`` (atomic writes, fsync), and per rank per save
   ``plan_reuse`` + ``check_layout`` (the layout guard) on that rank's write results.
-* loading (``measure_load``): ``pickle.loads`` of ``.metadata`` (what every loading rank's
-  ``FileSystemReader`` does) and solosave's allowlisted ``safe_loads``.
+* loading (``measure_load``): per sampled rank, what ``solosave.load`` runs before DCP's
+  planner: open the load index, check it against ``.metadata``, and build the ``Metadata`` of
+  the shards this rank saved (``LoadIndex.metadata_for``), timed with the bytes read; for
+  comparison ``pickle.loads`` of the whole ``.metadata`` (what every loading rank of stock DCP
+  does) and solosave's allowlisted ``safe_loads`` (``use_index=False``).
 
 **What is modelled, not measured**: the network (no bytes move; gathered bytes are reported, not
 timed), the reuse path's one 1-element ``all_reduce`` (``REDUCE_MODEL_S`` per tree level,
@@ -63,6 +66,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import uuid
 from array import array
 from collections import defaultdict
 from collections.abc import Callable
@@ -307,22 +311,46 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     md_path = os.path.join(ckpt, ".metadata")
     out["metadata_bytes"] = os.path.getsize(md_path)
     out["prepared_file_bytes"] = os.path.getsize(prepared_path)
-    measure_load(out, ckpt, md_path, samples)
+    measure_load(out, ckpt, md_path, samples, structure, world)
     measure_startup(out, world, workers, prepared_path, made, samples)
     shutil.rmtree(ckpt, ignore_errors=True)
     gc.collect()
     return out
 
 
-def measure_load(out: Json, ckpt: str, md_path: str, samples: dict) -> None:
-    """Loading: what every loading rank runs to learn where its shards are."""
+def measure_load(out: Json, ckpt: str, md_path: str, samples: dict, structure: list, world: int) -> None:
+    """Loading: what a loading rank runs to learn where its shards are. Through the load index
+    (``solosave.load``'s path; per sampled rank, loading the shards it saved: open the index,
+    check it against ``.metadata``, build the ``Metadata`` of its keys), and, for comparison, the
+    whole ``.metadata`` unpickled (what stock DCP and ``use_index=False`` do)."""
+    from solosave._format import INDEX_FILE
+    from solosave._lookup import LoadIndex
     from solosave._safe_pickle import safe_loads
 
     data = open(md_path, "rb").read()  # noqa: SIM115 - read once
     _, out["t_load_unpickle"] = _timed(lambda: pickle.loads(data))
     _, out["t_load_safe_unpickle"] = _timed(lambda: safe_loads(data, what=md_path))
-    out["load_metadata_s_per_rank"] = out["t_load_safe_unpickle"]
-    out["load_read_bytes_per_rank"] = len(data)
+    out["load_full_metadata_s_per_rank"] = out["t_load_safe_unpickle"]
+    out["load_full_metadata_bytes_per_rank"] = len(data)
+    out["index_bytes"] = os.path.getsize(os.path.join(ckpt, INDEX_FILE))
+    times, reads = [], []
+    for r in samples:
+        wanted = {"model." + name: [shard_dim0(shape, world, r)] for name, shape in structure}
+        reps = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with LoadIndex.open(ckpt) as idx:
+                md = idx.metadata_for(wanted)
+            reps.append(time.perf_counter() - t0)
+        chunks = sum(len(m.chunks) for m in md.state_dict_metadata.values())
+        expected = sum(1 for boxes in wanted.values() if boxes[0][1][0] > 0)  # an empty shard reads nothing
+        if len(md.state_dict_metadata) != len(structure) or chunks != expected:
+            raise RuntimeError(f"the load index gave rank {r} {chunks} chunks of {len(md.state_dict_metadata)} "
+                               f"keys at W={world}; expected {expected} chunks of {len(structure)} keys")
+        times.append(statistics.median(reps))
+        reads.append(idx.bytes_read)
+    out["load_metadata_s_per_rank"] = max(times)
+    out["load_read_bytes_per_rank"] = max(reads)
 
 
 def measure_startup(out: Json, world: int, workers: int, prepared_path: str, made: Any, samples: dict) -> None:
@@ -331,6 +359,7 @@ def measure_startup(out: Json, world: int, workers: int, prepared_path: str, mad
     first ``plan_reuse`` (reads this rank's section and any directory buckets) + the layout guard,
     and the pickle of what the trainer sends its worker; the coordinator also reads the template
     (or adopts the create save's, in the same job) and publishes per save."""
+    from solosave import _index as index
     from solosave._layout import check_layout
     from solosave._plan import LocalPlan
     from solosave._prepared import load_prepared_metadata
@@ -372,9 +401,17 @@ def measure_startup(out: Json, world: int, workers: int, prepared_path: str, mad
         raise RuntimeError(f"the create save's template was not adopted at W={world}")
     reuse_dir = prepared_path + ".reuse"
     os.makedirs(reuse_dir, exist_ok=True)
+    body = coord.index_body
+    out["coordinator_index_read_bytes"] = coord.bytes_read - out["coordinator_startup_read_bytes"]
+
+    def publish() -> None:  # what Engine._reuse_publish runs: the load index, then .metadata
+        save_id = str(uuid.uuid4())
+        index.write(reuse_dir, index.render(body, tpl, reuse_dir, save_id), fsync=True)
+        publish_metadata(reuse_dir, tpl.render(reuse_dir, save_id), fsync=True)
+
     pubs = []
     for _ in range(3):
-        _, t = _timed(lambda: publish_metadata(reuse_dir, tpl.render(reuse_dir), fsync=True))
+        _, t = _timed(publish)
         pubs.append(t)
     shutil.rmtree(reuse_dir, ignore_errors=True)
     out["t_reuse_publish"] = out["reuse_publish_s"] = statistics.median(pubs)

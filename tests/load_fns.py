@@ -106,3 +106,43 @@ def custom_planner_loads(rank: int, ws: int, root: str) -> dict:
     sd = {"w": torch.zeros(8), f"r{rank}": torch.zeros(4096)}
     solosave.load(sd, path, planner=Planner())
     return {"calls": calls, "ok": torch.equal(sd["w"], torch.arange(8.0)) and bool((sd[f"r{rank}"] == rank).all())}
+
+
+def index_loads(rank: int, ws: int, root: str) -> dict:
+    """Save with solosave (a create save, then a reuse save into another directory), then load
+    both at this world size through the load index only (``.metadata`` is never parsed: the
+    parser raises), and once with ``use_index=False``; collectives of the index load counted."""
+    from unittest import mock
+
+    import solosave._load as sl
+
+    sd = _state(ws, SAVE_DIM, full_tensors(), 41)
+    with solosave.AsyncCheckpointer(prepared_metadata=os.path.join(root, "prep.md"),
+                                    create_prepared_metadata=True, persistent_worker=False) as ckpt:
+        kinds = [ckpt.save(sd, os.path.join(root, name)).wait(timeout=60).mode for name in ("c0", "c1")]
+    want = full_tensors()
+    out: dict = {"kinds": kinds}
+    calls: list[str] = []
+    real_ar, real_bc = dist.all_reduce, dist.broadcast_object_list
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls.append(name)
+            return fn(*a, **k)
+        return wrapped
+
+    for name in ("c0", "c1"):
+        for use_index in (True, False):
+            got = _state(ws, LOAD_DIM, {k: torch.zeros_like(v) for k, v in want.items()}, 0)
+            calls.clear()
+            parse = mock.patch.object(sl, "parse_metadata", side_effect=AssertionError("parsed .metadata"))
+            with mock.patch.object(dist, "all_reduce", count("all_reduce", real_ar)), \
+                    mock.patch.object(dist, "broadcast_object_list", count("broadcast", real_bc)):
+                if use_index:
+                    with parse:
+                        solosave.load(got, os.path.join(root, name))
+                else:
+                    solosave.load(got, os.path.join(root, name), use_index=False)
+            ok = all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES)
+            out[f"{name}/{use_index}"] = (ok and torch.equal(got["p"], want["p"]) and got["step"] == 41, list(calls))
+    return out

@@ -1,27 +1,33 @@
-"""The per-item reference planner: the test oracle of ``solosave._global_plan``.
+"""The per-item reference planner and metadata builder: the test oracles of
+``solosave._global_plan`` and of ``solosave._results`` / ``_metadata_pickle`` / ``_index``.
 
 One Python object per item and plain loops: slow at scale, easy to check by reading. The tests
 assert that the columnar planner decides exactly what this one decides (metadata, writers and
-the same error wording).
+the same error wording), and that the columnar ``.metadata`` unpickles equal to
+:func:`build_metadata`'s.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
 
 from solosave._chunks import validate_chunks
-from solosave._format import ItemKey, as_key, dtype_from_name
-from solosave._layout import PlanValidationError, shared_size
-from solosave._protocol import ItemKind, ItemSpec, PlanRequest, unpack_specs
+from solosave._format import METADATA_VERSION, ItemKey, as_key, dtype_from_name
+from solosave._layout import PlanValidationError, check_results_cover, gc_paused, shared_size
+from solosave._protocol import ItemKind, ItemSpec, PlanRequest, WriteResult, unpack_specs
 
 
 def assign_writers(
@@ -173,3 +179,47 @@ def oracle_plan(requests: Sequence[PlanRequest]) -> tuple[dict, list[list[int]]]
         pos = {s.key: i for i, s in enumerate(specs)}
         writes.append(sorted(pos[s.key] for s in assigned[r]))
     return sdm, writes
+
+
+def finish_metadata(state_dict_metadata: Mapping[str, Any], results: Sequence[WriteResult], planner_data: Mapping) -> Metadata:
+    """The ``Metadata`` of a collective save from its plan and every rank's write results
+    (keys normalised); raises :class:`PlanValidationError` if they do not cover the plan."""
+    problems = check_results_cover(state_dict_metadata, results)
+    if problems:
+        raise PlanValidationError("write results do not cover the plan: " + "; ".join(problems[:10]))
+    with gc_paused():
+        return build_metadata(state_dict_metadata, results, planner_data)
+
+
+def build_metadata(state_dict_metadata: Mapping[str, TensorStorageMetadata | BytesStorageMetadata],
+                   results: Iterable[WriteResult], planner_data: Mapping | None) -> Metadata:
+    """Assemble DCP ``Metadata`` from the merged items and the write results; ``storage_meta``
+    is set at publish time.
+
+    Each ``storage_data`` key reuses the string of its ``state_dict_metadata`` entry and the
+    ``torch.Size`` of its chunk's offsets, with the chunk's position as index hint: equal values
+    to what DCP builds, but shared objects, so the pickle stores them once (a smaller
+    ``.metadata`` that every loading rank unpickles faster).
+    """
+    hints: dict[str, tuple[str, dict | None]] = {}
+    for fqn, m in state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            hints[fqn] = (fqn, {tuple(c.offsets): (i, c.offsets) for i, c in enumerate(m.chunks)})
+        else:
+            hints[fqn] = (fqn, None)
+    paths: dict[str, str] = {}
+    storage_data: dict[MetadataIndex, _StorageInfo] = {}
+    for (fqn, offsets), rel, off, length in results:
+        name, chunks = hints.get(fqn, (fqn, None))
+        hit = chunks.get(offsets) if chunks is not None and offsets is not None else None
+        if hit is not None:
+            idx = MetadataIndex(name, None, hit[0])
+            # MetadataIndex copies offsets into a new torch.Size; share the chunk's instead.
+            object.__setattr__(idx, "offset", hit[1])
+        elif offsets is not None:
+            idx = MetadataIndex(name, offsets)
+        else:
+            idx = MetadataIndex(name)
+        storage_data[idx] = _StorageInfo(paths.setdefault(rel, rel), off, length)
+    return Metadata(state_dict_metadata=dict(state_dict_metadata), planner_data=dict(planner_data or {}),
+                    storage_data=storage_data, storage_meta=None, **METADATA_VERSION)

@@ -38,7 +38,7 @@ def _check_replicated_items_written_once(tmp_path):
 
 def test_save_at_4_load_at_2_and_stock_reader(tmp_path):
     files = run_ranks(rank_fns.reshard_save, 4, str(tmp_path), 3)
-    assert files[0] == [".metadata"] + [f"__{r}_{n}.distcp" for r in range(4) for n in range(2)]
+    assert files[0] == [".metadata", ".solosave-index"] + [f"__{r}_{n}.distcp" for r in range(4) for n in range(2)]
     assert run_ranks(rank_fns.reshard_load, 2, str(tmp_path), 3) == [True, True]
 
 

@@ -230,7 +230,7 @@ def test_back_to_back_saves(tmp_path, case_log):
         assert sum(o["blocks"][2:]) > 0.05 * (saves - 2) * 0.5  # save() waited for the previous one
     for i in range(saves):
         d = tmp_path / f"s{i:03d}"
-        assert sorted(os.listdir(d)) == [".metadata", "__0_0.distcp", "__1_0.distcp"], os.listdir(d)
+        assert sorted(os.listdir(d)) == [".metadata", ".solosave-index", "__0_0.distcp", "__1_0.distcp"], os.listdir(d)
         F.check_loads(str(d), 2, i)  # its own values: no interleaving, snapshot at save()
     rss = outs[0]["rss"]
     case_log(f"{saves} saves requested back to back while the previous one is writing (ws=2, slow writer)",

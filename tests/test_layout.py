@@ -3,8 +3,8 @@ guard of reuse saves."""
 
 import pytest
 
-from oracle import build_state_dict_metadata
-from solosave._layout import PlanValidationError, bucket_items, build_metadata, check_layout, finish_metadata
+from oracle import build_metadata, build_state_dict_metadata, finish_metadata
+from solosave._layout import PlanValidationError, bucket_items, check_layout
 from solosave._protocol import ItemKind, ItemSpec, PlacedItem
 
 
@@ -97,12 +97,17 @@ def test_build_metadata_shares_keys_with_chunks():
         assert idx.fqn is next(iter(md.state_dict_metadata))
 
 
-def test_finish_metadata_refuses_results_that_do_not_cover_the_plan():
+def test_results_that_do_not_cover_the_plan_are_refused():
+    """The coordinator's check before it builds ``.metadata`` (``_results.result_columns``; the
+    oracle's ``finish_metadata`` refuses the same)."""
+    from solosave._results import ChunkTable, result_columns
+
     specs = [ItemSpec("w", ItemKind.TENSOR, (r * 2,), (2,), (8,), "float32", 8) for r in range(4)]
     sdm = build_state_dict_metadata(specs)
     results = [(("w", (r * 2,)), f"__{r}_0.distcp", 0, 100) for r in range(3)]
-    with pytest.raises(PlanValidationError, match="w@\\[6\\] was not written"):
-        finish_metadata(sdm, results, {})
     twice = results + [(("w", (6,)), "__3_0.distcp", 0, 100), (("w", (6,)), "__3_0.distcp", 100, 100)]
-    with pytest.raises(PlanValidationError, match="written 2 times"):
-        finish_metadata(sdm, twice, {})
+    for rows, why in ((results, "w@\\[6\\] was not written"), (twice, "written 2 times")):
+        with pytest.raises(PlanValidationError, match=why):
+            result_columns(ChunkTable.from_metadata(sdm), sdm, [rows])
+        with pytest.raises(PlanValidationError, match=why):
+            finish_metadata(sdm, rows, {})

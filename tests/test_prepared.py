@@ -210,7 +210,7 @@ def _sharded_prepared(world=8, tensors=3, workers=2):
         sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * world, 3]), chunks)
         for r in range(world):
             by_rank[r].append(((fqn, (r * 2, 0)), f"__{r}_{t % workers}.distcp", 100 * (t // workers), 100))
-    from solosave._layout import build_metadata
+    from oracle import build_metadata
 
     md = build_metadata(sdm, [row for rows in by_rank for row in rows], {})
     blob = prepared_from_results(sdm, by_rank, Tpl(md), ("/ck", "sid-1"),

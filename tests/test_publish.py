@@ -7,9 +7,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from oracle import build_state_dict_metadata
+from oracle import build_metadata, build_state_dict_metadata
 from solosave._format import METADATA_FILE
-from solosave._layout import build_metadata
 from solosave._protocol import ItemKind, ItemSpec
 from solosave._publish import MetadataTemplate, publish_metadata
 from support import dcp_save_local

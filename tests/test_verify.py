@@ -103,3 +103,34 @@ def test_a_sidecar_that_is_json_but_not_an_object_is_a_problem_not_a_traceback(c
     assert main(["verify", str(ckpt)]) == 1
     out = capsys.readouterr()
     assert "unreadable checksum file (a JSON list, not an object)" in out.out and "Traceback" not in out.err
+
+
+def _index_case(ckpt, how):
+    """Give ``ckpt`` a load index as a solosave save writes it, then spoil it as ``how`` says."""
+    import pickle
+    import uuid
+
+    from solosave._format import INDEX_FILE, METADATA_FILE
+    from solosave._index import body_from_metadata, render
+    from solosave._publish import MetadataTemplate
+
+    md = pickle.loads((ckpt / METADATA_FILE).read_bytes())
+    template, save_id = MetadataTemplate(md), str(uuid.uuid4())
+    (ckpt / METADATA_FILE).write_bytes(template.render(str(ckpt), save_id))
+    if how == "differs":  # this .metadata's save_id, another layout's rows
+        for info in md.storage_data.values():
+            info.offset += 1
+    body = body_from_metadata(md)
+    if how == "damaged":
+        body = body[:-8] + bytes([body[-8] ^ 0xFF]) + body[-7:]
+    (ckpt / INDEX_FILE).write_bytes(render(body, template, str(ckpt), save_id if how != "stale" else "other"))
+
+
+@pytest.mark.parametrize("how,ok", [("matches", True), ("stale", True), ("differs", False), ("damaged", False)])
+def test_verify_checks_the_load_index(ckpt, how, ok):
+    rep = solosave.verify_checkpoint(ckpt)
+    assert rep.index is None  # stock DCP's checkpoint: none
+    _index_case(ckpt, how)
+    rep = solosave.verify_checkpoint(ckpt)
+    assert rep.index == how and rep.ok is ok, rep
+    assert ok or any("load index" in p for p in rep.problems)

@@ -9,7 +9,7 @@ Who calls what, in order (every rank runs :func:`run_collective` for the same jo
    on every rank here, an ``OUT_OF_STEP`` one breaks every engine;
 3. every rank: :func:`write_assigned` -> ``gather_object`` (``WriteReport``);
 4. coordinator: :func:`finish` (``Metadata`` from the results, the prepared file when this save
-   makes or refreshes it, ``.metadata`` published last) -> ``broadcast_object``
+   makes or refreshes it, the load index, ``.metadata`` published last) -> ``broadcast_object``
    (``FinishNotice``, with the metadata now prepared, so every rank can reuse it).
 """
 
@@ -26,6 +26,7 @@ from ._coordinate import OutOfStep
 from ._errors import describe
 from ._format import METADATA_FILE, file_name
 from ._global_plan import GlobalPlan, global_plan
+from ._index import body_from_columns
 from ._layout import bucket_items, gc_paused
 from ._metadata_pickle import metadata_template
 from ._prepared import PreparedMetadata, open_sectioned, write_prepared_bytes
@@ -159,16 +160,18 @@ def finish(engine: Engine, job: SaveJob, plan: GlobalPlan, reports: list[WriteRe
             results = result_columns(table, sdm, [rep.results for rep in reports])
             template = metadata_template(sdm, plan.planner_data, table, results)
             data = template.render(os.fspath(job.directory), save_id)
+            index_body = body_from_columns(sdm, plan.planner_data, table, results)
             blob = None
             if job.make_prepared or job.mode is Mode.REUSE:
                 # What every rank reuses: the layout of exactly the bytes about to be published
                 # (same save_id), so the coordinator's next reuse save adopts this template.
-                engine.made_template = (save_id, template)
+                engine.made_template = (save_id, template, index_body)
                 blob = prepared_from_columns(sdm, table, results, template, (os.fspath(job.directory), save_id),
                                              {"world_size": engine.world_size, "workers": engine.workers,
-                                              "torch_version": torch.__version__})
+                                              "torch_version": torch.__version__}, index_body)
         if blob is not None:
             prepared = _persist_prepared(engine, blob)
+        engine.write_index(job, index_body, template, save_id, timings)
         engine.publish(job, data, timings)
         return FinishNotice({}, prepared, True)
     except Exception as e:  # noqa: BLE001 - reported to every rank

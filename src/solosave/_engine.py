@@ -12,12 +12,12 @@ picks from outcomes that every rank received, and the values the collectives ret
 ``REUSE`` (prepared metadata: from a file, or made in memory by an earlier save)
     write in the prepared layout -> local layout guard -> **one 8-byte all_reduce** of the
     status (failed / drifted / ok) and of the save's identity (``_protocol.encode_status``) ->
-    if every rank is ok, the coordinator publishes the prepared metadata with this checkpoint's
-    ``storage_meta`` and posts a receipt that the other ranks wait for (a store key, not a
-    collective), so every rank knows whether the save was published. On "failed" every rank
-    all-gathers the errors (failure path only); on "drifted" with ``"raise"`` every rank
-    all-gathers the drifts; with ``"fallback"`` every rank runs the collective path for this
-    save and the prepared metadata is refreshed.
+    if every rank is ok, the coordinator writes the load index (``_index``) and publishes the
+    prepared metadata with this checkpoint's ``storage_meta``, then posts a receipt that the
+    other ranks wait for (a store key, not a collective), so every rank knows whether the save
+    was published. On "failed" every rank all-gathers the errors (failure path only); on
+    "drifted" with ``"raise"`` every rank all-gathers the drifts; with ``"fallback"`` every
+    rank runs the collective path for this save and the prepared metadata is refreshed.
 
 Errors are told apart: a per-save failure (a write error, a bad value, a drift) fails that save
 on every rank and the next save runs normally. A failed collective (:class:`ChannelError`: a
@@ -33,9 +33,11 @@ import dataclasses
 import os
 import time
 import traceback
+import uuid
 from collections import defaultdict
 from typing import Any
 
+from . import _index as index
 from ._collective import run_collective
 from ._coordinate import Channel, ChannelError, OutOfStep
 from ._errors import describe
@@ -81,7 +83,7 @@ class Engine:
         self._prepared: tuple[int, PreparedMetadata] | None = None
         #: Coordinator: the template of the metadata it last made (create mode, fallback), with
         #: that publication's ``save_id``, adopted by the prepared metadata the trainer sends next.
-        self.made_template: tuple[str, MetadataTemplate] | None = None
+        self.made_template: tuple[str, MetadataTemplate, bytes] | None = None
         self.warnings: list[str] = []
         #: Why the channel cannot be used any more, and the kind of that failure.
         self.broken: tuple[ErrorKind, str] | None = None
@@ -144,6 +146,23 @@ class Engine:
         if it.payload is not None:
             return Record(it.spec.key, payload=it.payload, pad_to=pad.get(it.spec.key))
         return Record(it.spec.key, tensor=self.reader.tensor(job.staged, it))
+
+    def write_index(self, job: SaveJob, body: bytes | None, template: MetadataTemplate, save_id: str,
+                    timings: dict[str, float]) -> None:
+        """Coordinator, before :meth:`publish`: the load index of the ``.metadata`` that
+        ``template`` renders with ``save_id`` (``_index``). The index only speeds loads up: a
+        failure to write it is a warning (loads then read ``.metadata``; an index left by an
+        earlier save does not match this ``.metadata``'s ``save_id`` and is not used)."""
+        if body is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            index.write(job.directory, index.render(body, template, os.fspath(job.directory), save_id),
+                        fsync=self.writer.fsync, storage_options=self.settings.storage_options)
+        except Exception as e:  # noqa: BLE001 - the checkpoint is complete without it
+            self.warnings.append(f"the load index of {job.directory} was not written ({describe(e)}); "
+                                 "loads of this checkpoint read the whole .metadata")
+        timings["publish"] += time.perf_counter() - t0
 
     def publish(self, job: SaveJob, data: bytes, timings: dict[str, float]) -> None:
         """Coordinator: write ``.metadata`` last, atomically."""
@@ -212,7 +231,9 @@ class Engine:
         error = None
         if ch.is_coordinator:
             try:
-                self.publish(job, prepared.template.render(os.fspath(job.directory)), timings)
+                save_id = str(uuid.uuid4())
+                self.write_index(job, prepared.index_body, prepared.template, save_id, timings)
+                self.publish(job, prepared.template.render(os.fspath(job.directory), save_id), timings)
             except Exception as e:  # noqa: BLE001 - reported to every rank through the receipt
                 error = f"publishing failed: {describe(e)}"
             ch.post_receipt(job.seq, error)

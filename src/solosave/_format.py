@@ -4,7 +4,7 @@ Everything that says what a checkpoint directory looks like lives here, so that 
 planner, the prepared metadata, the loader and ``solosave verify`` agree by construction:
 
 * file names: ``__{rank}_{n}.distcp`` data files, ``.metadata`` (published last), the CRC32
-  sidecar ``<data file>.crc32``;
+  sidecar ``<data file>.crc32``, the load index ``.solosave-index``;
 * item keys: an item is identified by ``(fqn, chunk offsets)`` (``offsets`` ``None`` for a
   non-tensor); :func:`item_key` is the one normaliser from any of DCP's spellings
   (``MetadataIndex``, ``torch.Size``, lists) to that tuple;
@@ -31,6 +31,8 @@ DCP_VERSION = "1.0.0"
 #: (torch < 2.7 has none).
 METADATA_VERSION: dict[str, str] = (
     {"version": DCP_VERSION} if "version" in getattr(Metadata, "__dataclass_fields__", {}) else {})
+#: The load index beside ``.metadata`` (``solosave._index``); stock DCP ignores it.
+INDEX_FILE = ".solosave-index"
 DATA_SUFFIX = ".distcp"
 #: Suffix of the checksum sidecar of a data file: ``__0_0.distcp`` -> ``__0_0.distcp.crc32``.
 CHECKSUM_SUFFIX = ".crc32"

@@ -14,15 +14,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
     TensorStorageMetadata,
 )
 
-from ._format import METADATA_VERSION, ItemKey, key_name, key_sort
+from ._format import ItemKey, key_name, key_sort
 from ._protocol import ItemKind, ItemSpec, PlacedItem, WriteResult
 
 SDM = dict[str, TensorStorageMetadata | BytesStorageMetadata]
@@ -102,50 +99,6 @@ def check_results_cover(state_dict_metadata: Mapping[str, object],
     problems += [f"{k[0]} written {n} times" for k, n in got.items() if n > 1]
     problems += [f"{k[0]} was written but is not in the plan" for k in set(got) - expected]
     return problems
-
-
-def finish_metadata(state_dict_metadata: SDM, results: Sequence[WriteResult], planner_data: Mapping) -> Metadata:
-    """The ``Metadata`` of a collective save from its plan and every rank's write results
-    (keys normalised); raises :class:`PlanValidationError` if they do not cover the plan."""
-    problems = check_results_cover(state_dict_metadata, results)
-    if problems:
-        raise PlanValidationError("write results do not cover the plan: " + "; ".join(problems[:10]))
-    with gc_paused():
-        return build_metadata(state_dict_metadata, results, planner_data)
-
-
-def build_metadata(state_dict_metadata: Mapping[str, TensorStorageMetadata | BytesStorageMetadata],
-                   results: Iterable[WriteResult], planner_data: Mapping | None) -> Metadata:
-    """Assemble DCP ``Metadata`` from the merged items and the write results; ``storage_meta``
-    is set at publish time.
-
-    Each ``storage_data`` key reuses the string of its ``state_dict_metadata`` entry and the
-    ``torch.Size`` of its chunk's offsets, with the chunk's position as index hint: equal values
-    to what DCP builds, but shared objects, so the pickle stores them once (a smaller
-    ``.metadata`` that every loading rank unpickles faster).
-    """
-    hints: dict[str, tuple[str, dict | None]] = {}
-    for fqn, m in state_dict_metadata.items():
-        if isinstance(m, TensorStorageMetadata):
-            hints[fqn] = (fqn, {tuple(c.offsets): (i, c.offsets) for i, c in enumerate(m.chunks)})
-        else:
-            hints[fqn] = (fqn, None)
-    paths: dict[str, str] = {}
-    storage_data: dict[MetadataIndex, _StorageInfo] = {}
-    for (fqn, offsets), rel, off, length in results:
-        name, chunks = hints.get(fqn, (fqn, None))
-        hit = chunks.get(offsets) if chunks is not None and offsets is not None else None
-        if hit is not None:
-            idx = MetadataIndex(name, None, hit[0])
-            # MetadataIndex copies offsets into a new torch.Size; share the chunk's instead.
-            object.__setattr__(idx, "offset", hit[1])
-        elif offsets is not None:
-            idx = MetadataIndex(name, offsets)
-        else:
-            idx = MetadataIndex(name)
-        storage_data[idx] = _StorageInfo(paths.setdefault(rel, rel), off, length)
-    return Metadata(state_dict_metadata=dict(state_dict_metadata), planner_data=dict(planner_data or {}),
-                    storage_data=storage_data, storage_meta=None, **METADATA_VERSION)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ planner with a global step of its own still goes through ``dcp.load`` (:func:`_d
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 from collections.abc import Mapping, Sequence
@@ -39,9 +40,12 @@ from ._coordinate import DistChannel, _is_gloo
 from ._errors import CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError
 from ._format import METADATA_FILE, check_ranges
 from ._layout import gc_paused
+from ._lookup import IndexUnusable, LoadIndex, wanted_of
 from ._read import ReadStats, read_items
 from ._safe_pickle import safe_loads
 from ._storage import DcpFileSystem, is_url, read_checkpoint_metadata, storage_for
+
+log = logging.getLogger(__name__)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -206,7 +210,7 @@ def _share_metadata(path: str | os.PathLike, process_group: Any,
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: Any = None,
          planner: Any = None, read_metadata_once: bool = True, safe_globals: Sequence[Any] = (),
-         storage_options: Mapping[str, Any] | None = None) -> None:
+         storage_options: Mapping[str, Any] | None = None, use_index: bool = True) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective over
     ``process_group`` when torch.distributed is initialised; one process otherwise).
 
@@ -226,32 +230,82 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     (:mod:`solosave._read`); collectives: the ``.metadata`` broadcast and one 8-byte
     ``all_reduce`` (plus an ``all_gather_object`` of the errors when a rank failed).
 
+    With ``use_index`` (the default), a local checkpoint that solosave wrote is loaded through its
+    load index (``.solosave-index``, :mod:`solosave._index`): each rank reads the entries its
+    own shards need instead of the whole ``.metadata``, whose size grows with the world size
+    the checkpoint was saved at; it costs one more 8-byte ``all_reduce`` (every rank agrees to
+    use it). A checkpoint without one (stock DCP's, or a URL) or with a stale or damaged one
+    is loaded from ``.metadata`` (the latter with a logged warning).
+
     ``path`` may be a URL (``s3://bucket/run/iter_0000100``; ``pip install 'solosave[s3]'``),
     with ``storage_options`` handed to its fsspec filesystem; its records are read by DCP's read
     path, with the same checks.
     """
     distributed = dist.is_available() and dist.is_initialized()
     reader = SafeFsspecReader(path, storage_options) if is_url(path) else SafeFileSystemReader(path)
-    # Read and parse before DCP's load: DCP would swallow a reader's error into its own
-    # "metadata is None" AssertionError when it falls back to per-rank metadata.
-    data = (_share_metadata(path, process_group, storage_options) if distributed and read_metadata_once
-            else read_metadata_bytes(path, storage_options))
-    reader.metadata = parse_metadata(data, path)
     if planner is None:
         planner = SafeLoadPlanner(safe_globals)
-    if distributed and not _plans_locally(planner):
-        _dcp_load(state_dict, reader, planner, process_group)
-        return
-    error: Exception | None = None
+    local = not distributed or _plans_locally(planner)
+    idx = None
+    if use_index and local and not is_url(path) and _index_planner(planner):
+        idx = _open_index(path)
+        if distributed and not _all_agree(idx is not None, process_group):
+            idx = _closed(idx)  # some rank cannot use it: every rank reads .metadata
     try:
-        with gc_paused():
-            _load_local(state_dict, reader, planner, dist.get_rank(process_group) if distributed else 0)
-    except Exception as e:  # noqa: BLE001 - every rank learns it below, then raises it
-        error = e
-    if distributed:
-        error = _agree(error, process_group)
-    if error is not None:
-        raise error
+        if idx is None:
+            # Read and parse before DCP's load: DCP would swallow a reader's error into its own
+            # "metadata is None" AssertionError when it falls back to per-rank metadata.
+            data = (_share_metadata(path, process_group, storage_options) if distributed and read_metadata_once
+                    else read_metadata_bytes(path, storage_options))
+            reader.metadata = parse_metadata(data, path)
+        if not local:
+            _dcp_load(state_dict, reader, planner, process_group)
+            return
+        error: Exception | None = None
+        try:
+            with gc_paused():
+                _load_local(state_dict, reader, planner, dist.get_rank(process_group) if distributed else 0, idx)
+        except Exception as e:  # noqa: BLE001 - every rank learns it below, then raises it
+            error = e
+        if distributed:
+            error = _agree(error, process_group)
+        if error is not None:
+            raise error
+    finally:
+        _closed(idx)
+
+
+def _index_planner(planner: Any) -> bool:
+    """Whether ``planner`` can plan from a partial ``Metadata`` (:mod:`solosave._index`): DCP's
+    default load planner's set-up, which only stores the metadata for ``create_local_plan``."""
+    return (isinstance(planner, DefaultLoadPlanner)
+            and type(planner).set_up_planner is DefaultLoadPlanner.set_up_planner)
+
+
+def _open_index(path: str | os.PathLike) -> LoadIndex | None:
+    """This rank's open load index of ``path``, or ``None`` (none, or unusable: logged)."""
+    try:
+        return LoadIndex.open(path)
+    except IndexUnusable as e:
+        log.warning("solosave.load: not using the load index: %s; reading the whole %s", e, METADATA_FILE)
+    except OSError as e:
+        log.warning("solosave.load: cannot read the load index of %s (%s); reading the whole %s",
+                    os.fspath(path), e, METADATA_FILE)
+    return None
+
+
+def _closed(idx: LoadIndex | None) -> None:
+    if idx is not None:
+        idx.close()
+    return None
+
+
+def _all_agree(flag: bool, process_group: Any) -> bool:
+    """Whether ``flag`` holds on every rank (one 8-byte ``all_reduce`` on gloo)."""
+    ch = DistChannel(process_group)
+    if _is_gloo(process_group):
+        return ch.all_reduce_and(int(flag)) == 1
+    return all(ch.all_gather_object(bool(flag)))
 
 
 def _plans_locally(planner: Any) -> bool:
@@ -271,15 +325,23 @@ def _is_stateful(value: Any) -> bool:
             and hasattr(value, "load_state_dict"))
 
 
-def _load_local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planner: Any, rank: int) -> None:
+def _load_local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planner: Any, rank: int,
+                index: LoadIndex | None = None) -> None:
     """DCP's load steps on this rank alone, through the public planner and reader interfaces
     (what ``dcp.load`` runs with ``no_dist=True``): top-level ``Stateful`` values are loaded
-    through their ``state_dict()``, then ``load_state_dict()``, as DCP does."""
+    through their ``state_dict()``, then ``load_state_dict()``, as DCP does. With ``index``, the
+    metadata is the part of the checkpoint's that this rank's (flattened) keys need."""
     keys = sorted(state_dict)
     stateful = {k for k in keys if _is_stateful(state_dict[k])}
     sd = {k: state_dict[k].state_dict() if k in stateful else state_dict[k] for k in keys}
-    md = reader.read_metadata()
-    planner.set_up_planner(sd, md, rank == 0)
+    if index is not None:
+        planner.set_up_planner(sd, _EMPTY, rank == 0)  # flattens: the keys to look up
+        reader.metadata = index.metadata_for(wanted_of(planner.state_dict))
+        planner.metadata = reader.metadata
+        md = reader.read_metadata()
+    else:
+        md = reader.read_metadata()
+        planner.set_up_planner(sd, md, rank == 0)
     reader.set_up_storage_reader(md, rank == 0)
     plan = reader.prepare_local_plan(planner.create_local_plan())
     plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
@@ -289,6 +351,9 @@ def _load_local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planne
             state_dict[k].load_state_dict(sd[k])
         else:
             state_dict[k] = sd[k]
+
+
+_EMPTY = Metadata(state_dict_metadata={})
 
 
 _OURS = (CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError)

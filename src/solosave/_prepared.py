@@ -126,6 +126,7 @@ class PreparedMetadata:
         self._buckets: dict[int, frozenset[ItemKey]] = {}
         self._structure: dict[str, tuple] | None = None
         self._template: MetadataTemplate | None = None
+        self._index_body: bytes | None = None
         #: Set when a version-1 file's recorded structure hash does not match its contents.
         self.tampered = False
 
@@ -208,14 +209,24 @@ class PreparedMetadata:
             self._template = MetadataTemplate.from_parts(parts)
         return self._template
 
-    def adopt_template(self, save_id: str, template: MetadataTemplate) -> bool:
-        """Use ``template`` (built by the coordinator when it published with ``save_id``) instead
-        of reading the template section, if this prepared metadata was made by that
-        publication (its ``save_id``, a fresh uuid per publication); returns whether it did."""
+    @property
+    def index_body(self) -> bytes | None:
+        """The body of the load index written beside every ``.metadata`` (coordinator;
+        ``None``: this prepared file predates the index, and saves write none)."""
+        if self._index_body is None:
+            self._index_body = self._reader.index_body() or b""
+        return self._index_body or None
+
+    def adopt_template(self, save_id: str, template: MetadataTemplate, index_body: bytes | None = None) -> bool:
+        """Use ``template`` and ``index_body`` (built by the coordinator when it published with
+        ``save_id``) instead of reading their sections, if this prepared metadata was made by
+        that publication (its ``save_id``, a fresh uuid per publication); returns whether it did."""
         sm = self._reader.header.get("storage_meta")
         if self._template is not None or not sm or not save_id or sm[1] != save_id:
             return False
         self._template = template
+        if index_body is not None:
+            self._index_body = index_body
         return True
 
     @property

@@ -34,7 +34,8 @@ def unpublish(directory: str | os.PathLike, storage_options: Mapping[str, Any] |
     storage_for(directory, storage_options).remove(join(directory, METADATA_FILE))
 
 
-def _binunicode(s: str) -> bytes:
+def pickled_str(s: str) -> bytes:
+    """``s`` as a protocol-2 pickle writes it (``BINUNICODE``)."""
     b = s.encode("utf-8", "surrogatepass")  # as pickle writes str (paths may hold any byte)
     return b"X" + struct.pack("<I", len(b)) + b
 
@@ -54,7 +55,7 @@ class MetadataTemplate:
         md = dataclasses.replace(metadata, storage_meta=StorageMeta(checkpoint_id=self._ph_id,
                                                                    save_id=self._ph_save))
         data = pickle.dumps(md, protocol=2)
-        a, b = _binunicode(self._ph_id), _binunicode(self._ph_save)
+        a, b = pickled_str(self._ph_id), pickled_str(self._ph_save)
         if data.count(a) != 1 or data.count(b) != 1:  # pragma: no cover - defensive
             raise RuntimeError("metadata template placeholders are not unique")
         i, j = data.index(a), data.index(b)
@@ -79,8 +80,8 @@ class MetadataTemplate:
 
     def render(self, checkpoint_id: str, save_id: str | None = None) -> bytes:
         p0, p1, p2 = self._parts
-        return b"".join((p0, _binunicode(str(checkpoint_id)), p1,
-                         _binunicode(save_id or str(uuid.uuid4())), p2))
+        return b"".join((p0, pickled_str(str(checkpoint_id)), p1,
+                         pickled_str(save_id or str(uuid.uuid4())), p2))
 
 
 def publish_metadata(directory: str | os.PathLike, data: bytes, fsync: bool = True,

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ._checksum import crc32
+
 _CD_SIG = b"PK\x01\x02"
 _EOCD_SIG = b"PK\x05\x06"
 _DESC_SIG = b"PK\x07\x08"
@@ -253,7 +255,7 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 def record_crc(data: memoryview) -> int:
     """The zip CRC32 of a record's storage bytes (releases the GIL on large buffers)."""
-    return zlib.crc32(data)
+    return crc32(data)
 
 
 def writev_all(fd: int, pieces: list) -> None:
@@ -295,7 +297,7 @@ class CrcAhead:
             if self._stop:
                 break
             if view is not None:
-                self._crcs[i] = zlib.crc32(view)
+                self._crcs[i] = crc32(view)
             with self._cond:
                 self._done = i + 1
                 self._cond.notify()

@@ -188,7 +188,7 @@ def _match_slowly(table: ChunkTable, sdm: Mapping[str, object], rows: list) -> t
 
 def prepared_from_columns(sdm: Mapping[str, object], table: ChunkTable, res: ResultColumns,
                           template: MetadataTemplate, storage_meta: tuple[str, str] | None,
-                          fields: dict[str, Any]) -> bytes:
+                          fields: dict[str, Any], index_body: bytes | None = None) -> bytes:
     """The version-2 prepared file of a collective save (``_sections.prepared_from_results``)
     from the columns: rows sorted by rank, file and offset with array operations, then cut
     into each rank's files."""
@@ -224,7 +224,7 @@ def prepared_from_columns(sdm: Mapping[str, object], table: ChunkTable, res: Res
         bucket_keys.append(keys[at:at + k])
         at += k
     return build_prepared({**fields, "format_version": VERSION}, structure_of(sdm), rank_rows,
-                          _template_section(template), storage_meta, bucket_keys)[0]
+                          _template_section(template), storage_meta, bucket_keys, index_body)[0]
 
 
 def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

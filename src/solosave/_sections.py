@@ -13,12 +13,13 @@ size::
       structure       pickle: {fqn: (kind, dtype name, global size)} (O(number of keys))
       template        the ``.metadata`` pickle with placeholders (``MetadataTemplate``): only
                       the coordinator reads it, to publish
+      index           the body of the load index beside every ``.metadata`` (``_index``)
       rank sections   pickle: [(file, [(fqn, offsets, offset, length, chunk sizes), ...]), ...]
       buckets         pickle: the keys ``(fqn, offsets)`` whose hash falls in the bucket
 
 Who reads what: every rank the header, its table entry, its section and the structure (its
 reuse plan); a rank holding an item written by another rank (a replica, an empty trailing
-chunk) also the directory bucket of that key; the coordinator also the template.
+chunk) also the directory bucket of that key; the coordinator also the template and the index.
 
 Integrity: each section's CRC32 is seeded with the file's random ``file_id``, so a section
 that is corrupt, truncated, or read from a file replaced since its header was read fails its
@@ -43,10 +44,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ._errors import PreparedMetadataError
 from ._format import ItemKey, index_key, parse_file_name
+from ._index import body_from_metadata
 from ._layout import gc_paused
 from ._protocol import PlacedItem
 from ._publish import MetadataTemplate
 from ._safe_pickle import safe_loads
+from ._storage import pread_all
 
 MAGIC = b"SOLOSAVE-PREPARED\n"
 VERSION = 2
@@ -100,14 +103,7 @@ class FileSource(Source):
         except OSError as e:
             raise PreparedMetadataError(f"{self.where}: cannot read ({e})") from e
         try:
-            parts, done = [], 0
-            while done < length:
-                b = os.pread(fd, length - done, offset + done)
-                if not b:
-                    break
-                parts.append(b)
-                done += len(b)
-            return b"".join(parts)
+            return pread_all(fd, offset, length)
         finally:
             os.close(fd)
 
@@ -185,7 +181,8 @@ def build_prepared(fingerprint: dict[str, Any], structure: dict[str, tuple],
                    rank_rows: Sequence[Sequence[tuple[str, Sequence[Row]]]],
                    template: tuple[bytes, tuple[int, int, int, int]] | None,
                    storage_meta: tuple[str, str] | None,
-                   bucket_keys: list[list[ItemKey]] | None = None) -> tuple[bytes, dict[str, Any]]:
+                   bucket_keys: list[list[ItemKey]] | None = None,
+                   index_body: bytes | None = None) -> tuple[bytes, dict[str, Any]]:
     """The bytes of a version-2 prepared file and its header.
 
     ``fingerprint``: the JSON fields of the fingerprint, less ``structure_hash`` (computed
@@ -193,7 +190,8 @@ def build_prepared(fingerprint: dict[str, Any], structure: dict[str, tuple],
     files, each with its rows in offset order; ``template``: the ``.metadata`` pickle with
     placeholders and ``(i, len_a, j, len_b)`` where they are; ``storage_meta``: the
     ``(checkpoint_id, save_id)`` of the metadata (``None``: none); ``bucket_keys``: the keys of
-    each directory bucket, when the caller has them (``None``: computed from the rows).
+    each directory bucket, when the caller has them (``None``: computed from the rows);
+    ``index_body``: the body of the load index every publication writes (``_index``).
     """
     file_id = uuid.uuid4().bytes
     world = len(rank_rows)
@@ -225,6 +223,7 @@ def build_prepared(fingerprint: dict[str, Any], structure: dict[str, tuple],
 
     s_entry = place(structure_blob)
     t_entry = place(tpl)
+    i_entry = place(index_body) if index_body is not None else None
     for b in rank_blobs:
         place(b, rank_table)
     for b in bucket_blobs:
@@ -234,7 +233,7 @@ def build_prepared(fingerprint: dict[str, Any], structure: dict[str, tuple],
     header = {"version": VERSION, "file_id": file_id.hex(), "world": world, "buckets": n_buckets,
               "max_files": max_files, "ranks_with_files": sum(1 for f in rank_rows if f),
               "fingerprint": {**fingerprint, "structure_hash": h.hexdigest()[:32]},
-              "structure": s_entry, "template": (t_entry + list(template[1])) if template else None,
+              "structure": s_entry, "template": (t_entry + list(template[1])) if template else None, "index": i_entry,
               "storage_meta": list(storage_meta) if storage_meta else None, "body_size": pos}
     line = json.dumps(header, sort_keys=True).encode() + b"\n"
     data = b"".join([MAGIC, b"2\n", line, bytes(rank_table), bytes(bucket_table), *parts])
@@ -349,6 +348,10 @@ class SectionReader:
         keys = self._load(self._section(self._entry(self.world + index, what), what), what)
         return frozenset((k[0], tuple(k[1]) if k[1] is not None else None) for k in keys)
 
+    def index_body(self) -> bytes | None:  # None: a file made before the load index
+        entry = self.header.get("index")
+        return self._section(entry, "the load index section") if entry else None
+
     def template_parts(self) -> tuple[bytes, bytes, bytes] | None:
         t = self.header.get("template")
         if not t:
@@ -439,4 +442,5 @@ def sections_from_metadata(md: Metadata, fields: dict[str, Any], where: str = "m
         sm = md.storage_meta
         return build_prepared({**fields, "format_version": VERSION}, structure_of(md.state_dict_metadata),
                               rank_rows, _template_section(MetadataTemplate(md)),
-                              (str(sm.checkpoint_id), str(sm.save_id)) if sm is not None else None)[0]
+                              (str(sm.checkpoint_id), str(sm.save_id)) if sm is not None else None,
+                              index_body=body_from_metadata(md))[0]

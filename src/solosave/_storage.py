@@ -87,6 +87,19 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def pread_all(fd: int, offset: int, length: int) -> bytes:
+    """``length`` bytes of ``fd`` from ``offset`` (``pread`` until done; shorter only at the end
+    of the file)."""
+    parts, done = [], 0
+    while done < length:
+        b = os.pread(fd, length - done, offset + done)
+        if not b:
+            break
+        parts.append(b)
+        done += len(b)
+    return b"".join(parts)
+
+
 def atomic_write(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
     """Replace the local file ``path`` with ``data`` atomically (temp file, fsync, rename,
     fsync directory): the commit primitive of :class:`LocalStorage`."""

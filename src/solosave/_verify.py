@@ -8,24 +8,29 @@ One process, no collective. What is checked, in order:
 2. every byte range ``(file, offset, length)`` it names lies inside an existing data file;
 3. if the data files have checksum sidecars (``AsyncCheckpointer(checksums=True)``): the CRC32
    of every range equals the recorded one;
-4. optionally, a prepared-metadata file places every item exactly where this checkpoint has it.
+4. optionally, a prepared-metadata file places every item exactly where this checkpoint has it;
+5. a load index (``.solosave-index``, local checkpoints) holds exactly the entries of
+   ``.metadata``: one that belongs to another ``.metadata`` is reported as stale (loads ignore
+   it), one that belongs to this one but differs or is damaged is a problem.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ._checksum import crc32
 from ._errors import PreparedMetadataError
 from ._format import (
     CHECKSUM_FORMAT,
     CHECKSUM_SUFFIX,
+    INDEX_FILE,
+    METADATA_FILE,
     check_ranges,
     checksum_path,
     confined_path,
@@ -34,6 +39,7 @@ from ._format import (
 )
 from ._layout import check_results_cover
 from ._load import parse_metadata, read_metadata_bytes
+from ._lookup import IndexStale, IndexUnusable, LoadIndex
 from ._prepared import infer_world_workers, load_prepared_metadata
 from ._storage import LOCAL, is_url, normalize_url, read_checkpoint_metadata, storage_for
 
@@ -54,6 +60,8 @@ class VerifyReport:
     #: None (not asked), "matches" or "differs".
     prepared: str | None
     problems: tuple[str, ...] = field(default_factory=tuple)
+    #: The load index: None (none, or a URL), "matches", "stale", "differs" or "damaged".
+    index: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -63,7 +71,7 @@ class VerifyReport:
         return {"path": self.path, "ok": self.ok, "items": self.items, "records": self.records,
                 "files": self.files, "checksums": self.checksums,
                 "checksummed_records": self.checksummed_records, "prepared": self.prepared,
-                "problems": list(self.problems)}
+                "index": self.index, "problems": list(self.problems)}
 
 
 def check_files_tiled(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
@@ -120,7 +128,7 @@ def _crc_of_range(f: Any, off: int, n: int, progress: Callable[[int, int], None]
         buf = f.read(min(_READ_CHUNK, left))
         if not buf:
             return None
-        crc = zlib.crc32(buf, crc)
+        crc = crc32(buf, crc)
         left -= len(buf)
         if progress is not None:
             progress(len(buf), total)
@@ -191,6 +199,29 @@ def compare_with_prepared(md: Metadata, prepared_path: str | os.PathLike,
     return problems
 
 
+def check_index(directory: str, md: Metadata) -> tuple[str | None, list[str]]:
+    """Step 5: the load index's status and its problems."""
+    if is_url(directory):
+        return None, []
+    try:
+        idx = LoadIndex.open(directory)
+        if idx is None:
+            return None, []
+        with idx:
+            got = idx.metadata_for({k: None for k in md.state_dict_metadata})
+    except IndexStale:
+        return "stale", []
+    except IndexUnusable as e:
+        return "damaged", [f"load index: {e} (loads read {METADATA_FILE} instead)"]
+    diffs = sorted(k for k in md.state_dict_metadata if got.state_dict_metadata.get(k) != md.state_dict_metadata[k])
+    if got.storage_data != md.storage_data or (got.planner_data or {}) != (md.planner_data or {}):
+        diffs = diffs or ["(storage entries or flattening paths)"]
+    if not diffs:
+        return "matches", []
+    return "differs", [f"load index: {len(diffs)} key(s) differ from {METADATA_FILE}: {', '.join(diffs[:5])}; "
+                       f"delete {INDEX_FILE} (loads then read {METADATA_FILE})"]
+
+
 def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | None = None,
                       checksums: bool = True,
                       progress: Callable[[int, int], None] | None = None,
@@ -217,10 +248,12 @@ def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | 
         diffs = compare_with_prepared(md, prepared, storage_options)
         prepared_status = "differs" if diffs else "matches"
         problems += diffs
+    index_status, index_problems = check_index(directory, md)
+    problems += index_problems
     files = {rel: max(off + n for off, n, _ in rs) for rel, rs in sorted(per_file.items())}
     return VerifyReport(directory, len(md.state_dict_metadata), len(results), files, status, checked,
-                        prepared_status, tuple(problems))
+                        prepared_status, tuple(problems), index_status)
 
 
-__all__ = ["VerifyReport", "check_files_tiled", "compare_with_prepared",
+__all__ = ["VerifyReport", "check_files_tiled", "check_index", "compare_with_prepared",
            "verify_checkpoint"]

@@ -20,7 +20,6 @@ import io
 import json
 import os
 import pickle
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import BinaryIO
 
 import torch
 
+from ._checksum import crc32
 from ._format import CHECKSUM_FORMAT, ItemKey, checksum_path
 from ._protocol import WriteResult
 from ._records import CrcAhead, FrameCache, raw_bytes, record_crc, writev_all
@@ -43,11 +43,11 @@ class _CrcStream:
         self.crc = 0
 
     def write(self, b: bytes | bytearray | memoryview) -> int:
-        self.crc = zlib.crc32(b, self.crc)
+        self.crc = crc32(b, self.crc)
         return self.raw.write(b)
 
     def write_stable(self, b: memoryview) -> int:
-        self.crc = zlib.crc32(b, self.crc)
+        self.crc = crc32(b, self.crc)
         return _write_stable(self.raw, b)
 
     def take(self) -> int:
@@ -173,7 +173,7 @@ def _crc_of_range(fd: int, offset: int, length: int) -> int:
         chunk = os.pread(fd, min(length - done, 16 << 20), offset + done)
         if not chunk:
             break
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         done += len(chunk)
     return crc
 
@@ -342,7 +342,7 @@ class FileWriter:
                 if self.checksums:
                     crc = 0
                     for p in parts:
-                        crc = zlib.crc32(p, crc)
+                        crc = crc32(p, crc)
                     crcs.append(crc)
                 pieces += parts
                 pending += length

@@ -108,6 +108,8 @@ def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, pro
                  " (save with checksums=True / --ckpt-checksums to record them)"))
         if report.prepared is not None:
             print(f"  prepared metadata {prepared}: {report.prepared}")
+        if report.index is not None:
+            print(f"  load index: {report.index}")
         if report.problems:
             print(f"{len(report.problems)} problem(s):")
             for p in report.problems:
