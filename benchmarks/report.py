@@ -112,7 +112,7 @@ def print_scale(scale: Json) -> None:
               f"{s['t_prepared_index_once']:>10.2f}")
     print("bytes")
     head = (f"{'W':>6} | {'DCP plan/rank':>13} {'DCP gathered':>12} {'DCP .metadata':>13} | "
-            f"{'solo plan/rank':>14} {'solo gathered':>13} {'solo .metadata':>14} | {'load DCP s':>10} {'load solo s':>11}")
+            f"{'solo plan/rank':>14} {'solo gathered':>13} {'solo .metadata':>14} | {'load DCP s':>10} {'load solo s':>11} {'solo index':>10}")
     print(head)
     print("-" * len(head))
     for s in scale["solosave"]:
@@ -124,8 +124,11 @@ def print_scale(scale: Json) -> None:
                  if d else f"{'not run':>13} {'':>12} {'':>13}")
         print(f"{w:>6} | {dpart} | {fmt_bytes(s['plan_bytes_per_rank']):>14} {fmt_bytes(sg):>13} "
               f"{fmt_bytes(s['metadata_bytes']):>14} | "
-              f"{(format(d['t_load_unpickle'], '>10.2f') if d else 'not run'):>10} {s['t_load_unpickle']:>11.2f}")
-    print("gathered = plans + write results moved to the coordinator by the two gathers of one save.")
+              f"{(format(d['t_load_unpickle'], '>10.2f') if d else 'not run'):>10} "
+              f"{s['load_metadata_s_per_rank']:>11.3f} {fmt_bytes(s['load_read_bytes_per_rank']):>10}")
+    print("gathered = plans + write results moved to the coordinator by the two gathers of one save. load: "
+          "seconds per loading rank to learn where its shards are (DCP: unpickle .metadata; solosave: its "
+          "load index, and the bytes a rank reads of it)")
     print("solosave payloads against the wire form before the typed protocol (rebuilt in scale.py: "
           "plain tuples, staged positions always sent as array('q')); new/old <= 1.000x: did not grow")
     head = (f"{'W':>6} | {'plan/rank':>10} {'old form':>10} {'new/old':>8} | {'results/rank':>12} {'old form':>10} "
@@ -232,6 +235,9 @@ def plot_scale(scale: Json, out: Path) -> list[Path]:
     ax.loglog(ws, [r["reuse_coordinator_s"] for r in s], "^-", color="#2ca02c", label="solosave reuse: publish (+ modelled reduce)")
     ax.loglog(ws, [r["t_reuse_rank_plan_and_guard"] for r in s], "v-", color="#bcbd22", label="solosave reuse: per-rank work per save")
     ax.loglog(ws, [r["t_template_once"] for r in s], "x:", color="#2ca02c", label="solosave: template, once per prepared file")
+    ax.loglog(wd, [r["t_load_unpickle"] for r in d], "D-", color="#d62728", label="stock DCP load: .metadata per rank")
+    ax.loglog(ws, [r["load_metadata_s_per_rank"] for r in s], "D--", color="#d62728",
+              label="solosave load: load index per rank")
     ax.axhline(5, color="#1f77b4", lw=0.6, ls=":")
     ax.axhline(1, color="#2ca02c", lw=0.6, ls=":")
     ax.set_xlabel("simulated world size W")

@@ -115,21 +115,30 @@ def rank_limits(rank: int, world_size: int, cfg: Json) -> Json:
     path = os.path.join(cfg["data_dir"], f"raw_write_rank{rank}.bin")
     write: list[float] = []
     for rep in range(1 + cfg["write_reps"]):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            off = 0
-            while off < nbytes:
-                off += os.write(fd, data[off:off + 16 * MiB])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        t = _raw_write(data, path)
         if rep:
-            write.append(time.perf_counter() - t0)
-        dist.barrier()
-        os.remove(path)
+            write.append(t)
     return {"rank": rank, "bytes": nbytes, "memcpy_s": memcpy, "write_s": write}
+
+
+def _raw_write(data: memoryview, path: str) -> float:
+    """Every rank at once: write ``data`` sequentially to a new file + ``fsync``; the seconds."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        off = 0
+        while off < len(data):
+            off += os.write(fd, data[off:off + 16 * MiB])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    took = time.perf_counter() - t0
+    dist.barrier()
+    os.remove(path)
+    return took
 
 
 class _DcpSaver:
@@ -218,6 +227,9 @@ def rank_mode(rank: int, world_size: int, mode: str, cfg: Json) -> Json:
     saver = _DcpSaver(mode) if mode in DCP_MODES else _SolosaveSaver(mode, mode_dir)
     setup_s = time.perf_counter() - t0
     saves: list[Json] = []
+    raw = None
+    if cfg.get("interleave_raw"):  # the same bytes, written raw after every save (see _raw_write)
+        raw = memoryview(torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in sd.values()]).numpy()).cast("B")
     try:
         for i in range(cfg["saves"]):
             path = os.path.join(mode_dir, f"save_{i:03d}")
@@ -229,6 +241,8 @@ def rank_mode(rank: int, world_size: int, mode: str, cfg: Json) -> Json:
             dist.barrier()  # every rank has waited: the checkpoint is complete
             if rank == 0:
                 shutil.rmtree(path)
+            if raw is not None:
+                s["raw_write_s"] = _raw_write(raw, os.path.join(cfg["data_dir"], f"raw_after_rank{rank}.bin"))
             with torch.no_grad():
                 for t in sd.values():
                     t.add_(1)
@@ -306,6 +320,7 @@ def aggregate_save(per_rank: list[Json]) -> Json:
         "coll_total_bytes": max(b for _, b in every),
         "coll_kinds_rank0": per_rank[0]["collectives_all"],
         "per_rank": per_rank,
+        **({"raw_write_ms": max(r["raw_write_s"] for r in per_rank) * 1e3} if "raw_write_s" in per_rank[0] else {}),
     }
 
 
@@ -316,7 +331,8 @@ STEADY_KEYS = ("block_ms", "to_published_ms", "to_waited_ms", "write_MBps", "col
 def summarize_mode(saves: list[Json], warmup: int) -> Json:
     steady = saves[warmup:] or saves
     return {
-        "steady_median": {k: statistics.median(s[k] for s in steady) for k in STEADY_KEYS},
+        "steady_median": {k: statistics.median(s[k] for s in steady) for k in STEADY_KEYS + ("raw_write_ms",)
+                          if k in steady[0]},
         "steady_paths": sorted({s["path_kind"] for s in steady}),
         "steady_kinds_rank0": steady[-1]["coll_kinds_rank0"],
         "warmup": [{k: s[k] for k in ("path_kind", "block_ms", "to_published_ms", "coll_total_count")}

@@ -92,6 +92,7 @@ def test_two_hosts_create_reuse_and_load_elsewhere(hosts, tmp_path, case_log):
              "one process (world size 1)")
 
 
+@pytest.mark.slow  # 26 s; run by make test-slow (in CI)
 def test_losing_a_host_mid_save_fails_the_others_promptly(hosts, tmp_path, case_log):
     outs = _job(hosts, tmp_path, "kill")
     survivors = [json.loads(o.strip().splitlines()[-1]) for rc, o, e in outs[:2]]

@@ -72,6 +72,7 @@ def test_resume_bit_for_bit_ignoring_partial(run_a, tmp_path):
     assert [s["mode"] for s in records(tmp_path / "b.jsonl", "save")] == ["reuse"]
 
 
+@pytest.mark.slow  # 29 s; run by make test-slow (in CI)
 def test_fsdp_shards_resume_and_keep_last(tmp_path):
     log = tmp_path / "log.jsonl"
     r = train("--parallel", "fsdp", "--steps", 6, "--save", tmp_path / "c", "--save-interval", 2,
@@ -156,6 +157,7 @@ def test_user_script_without_main_guard(tmp_path):
     assert "resource_tracker" not in r.stderr  # the worker neither owns nor leaks the segments
 
 
+@pytest.mark.slow  # 25 s; run by make test-slow (in CI)
 def test_resume_at_another_world_size(run_a, tmp_path):
     d, _ = run_a
     r = train("--nproc", 1, "--steps", 10, "--load", d / "ckpt", "--save", tmp_path / "one",

@@ -12,12 +12,13 @@ picks from outcomes that every rank received, and the values the collectives ret
 ``REUSE`` (prepared metadata: from a file, or made in memory by an earlier save)
     write in the prepared layout -> local layout guard -> **one 8-byte all_reduce** of the
     status (failed / drifted / ok) and of the save's identity (``_protocol.encode_status``) ->
-    if every rank is ok, the coordinator writes the load index (``_index``) and publishes the
-    prepared metadata with this checkpoint's ``storage_meta``, then posts a receipt that the
-    other ranks wait for (a store key, not a collective), so every rank knows whether the save
-    was published. On "failed" every rank all-gathers the errors (failure path only); on
-    "drifted" with ``"raise"`` every rank all-gathers the drifts; with ``"fallback"`` every
-    rank runs the collective path for this save and the prepared metadata is refreshed.
+    if every rank is ok, the coordinator publishes the prepared metadata with this checkpoint's
+    ``storage_meta`` (its load index, ``_index``, was written on a thread beside its data),
+    then posts a receipt that the other ranks wait for (a store key, not a collective), so every
+    rank knows whether the save was published. On "failed" every rank all-gathers the errors
+    (failure path only); on "drifted" with ``"raise"`` every rank all-gathers the drifts; with
+    ``"fallback"`` every rank runs the collective path for this save and the prepared metadata
+    is refreshed.
 
 Errors are told apart: a per-save failure (a write error, a bad value, a drift) fails that save
 on every rank and the next save runs normally. A failed collective (:class:`ChannelError`: a
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import traceback
 import uuid
@@ -58,7 +60,7 @@ from ._protocol import (
 )
 from ._publish import MetadataTemplate, publish_metadata, unpublish
 from ._stage import BufferReader
-from ._storage import storage_for
+from ._storage import is_url, storage_for
 from ._write import FileWriter, Record
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
@@ -153,7 +155,7 @@ class Engine:
         ``template`` renders with ``save_id`` (``_index``). The index only speeds loads up: a
         failure to write it is a warning (loads then read ``.metadata``; an index left by an
         earlier save does not match this ``.metadata``'s ``save_id`` and is not used)."""
-        if body is None:
+        if body is None or is_url(job.directory):  # URL loads read .metadata (DCP's read path)
             return
         t0 = time.perf_counter()
         try:
@@ -202,16 +204,49 @@ class Engine:
         drifts = check_layout(plan.placed(), results)
         return (Status.DRIFT if drifts else Status.OK), drifts, results, None
 
+    def _index_beside(self, job: SaveJob, prepared: Any, save_id: str) -> threading.Thread | None:
+        """Coordinator of a reuse save: write the load index on a thread while this rank writes
+        its data (its bytes are known before the save: the prepared body, this ``save_id``);
+        :meth:`_reuse_publish` joins it before ``.metadata``."""
+        if not self.channel.is_coordinator or prepared is None or job.abort is not None:
+            return None
+
+        def run() -> None:
+            try:
+                storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
+                self.write_index(job, prepared.index_body, prepared.template, save_id, defaultdict(float))
+            except Exception as e:  # noqa: BLE001 - as in write_index: the checkpoint is complete without it
+                self.warnings.append(f"the load index of {job.directory} was not written ({describe(e)})")
+
+        thread = threading.Thread(target=run, name="solosave-index", daemon=True)
+        thread.start()
+        return thread
+
     def _reuse(self, job: SaveJob, timings: dict[str, float]) -> JobOutcome:
         ch = self.channel
         prepared = self.prepared_for(job) if job.abort is None or job.prepared is not None else None
+        save_id = str(uuid.uuid4())
+        indexing = self._index_beside(job, prepared, save_id)
+        try:
+            return self._reuse_steps(job, prepared, save_id, indexing, timings)
+        finally:
+            if indexing is not None:  # bounded; a late index is harmless (it names this save_id)
+                indexing.join(ch.timeout)
+
+    def _reuse_steps(self, job: SaveJob, prepared: Any, save_id: str, indexing: threading.Thread | None,
+                     timings: dict[str, float]) -> JobOutcome:
+        ch = self.channel
         status, drifts, results, err = self._reuse_write(job, timings)
         agreed = decode_status(ch.all_reduce_and(encode_status(status, job.identity)), job.identity)
         if agreed is None:
             raise OutOfStep(f"this rank's save {job.seq} to {job.directory} met a different save "
                             "of another rank in the status all_reduce")
         if agreed == Status.OK:
-            return self._reuse_publish(job, prepared, results, timings)
+            if indexing is not None:
+                t0 = time.perf_counter()
+                indexing.join(ch.timeout)
+                timings["publish"] += time.perf_counter() - t0
+            return self._reuse_publish(job, prepared, results, save_id, timings)
         if agreed == Status.FAILED:
             reports = ch.all_gather_object(err)
             return JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.FAILED,
@@ -223,16 +258,14 @@ class Engine:
         # results: what this rank already wrote (None if it wrote nothing); the fallback keeps it
         return run_collective(self, job, timings, prewritten=results, drifts=drifts)
 
-    def _reuse_publish(self, job: SaveJob, prepared: Any, results: list | None,
+    def _reuse_publish(self, job: SaveJob, prepared: Any, results: list | None, save_id: str,
                        timings: dict[str, float]) -> JobOutcome:
-        """Every rank wrote the prepared layout: the coordinator publishes, the others wait for
-        its receipt."""
+        """Every rank wrote the prepared layout (and the coordinator the load index): the
+        coordinator publishes, the others wait for its receipt."""
         ch = self.channel
         error = None
         if ch.is_coordinator:
             try:
-                save_id = str(uuid.uuid4())
-                self.write_index(job, prepared.index_body, prepared.template, save_id, timings)
                 self.publish(job, prepared.template.render(os.fspath(job.directory), save_id), timings)
             except Exception as e:  # noqa: BLE001 - reported to every rank through the receipt
                 error = f"publishing failed: {describe(e)}"

@@ -272,6 +272,27 @@ def writev_all(fd: int, pieces: list) -> None:
                 batch[0] = batch[0][n:]
 
 
+def _libc_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``fd``'s bytes ``[offset, offset + length)`` to disk now,
+    without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere nothing): the
+    disk works while the next batch is copied, and the final ``fsync`` has less left to do."""
+    if _SYNC_FILE_RANGE is not None and length > 0:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # advisory: errors ignored
+
+
 #: Buffers per ``writev`` call (Linux's IOV_MAX is 1024).
 IOV_BATCH = 768
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import gc
 import logging
 import multiprocessing
 import os
@@ -94,6 +95,11 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
         channel = DistChannel(None, store=dist.PrefixStore(spec.prefix + "receipts/", store),
                               timeout=spec.timeout_s)
         engine = Engine(channel, setup.settings, setup.writer)
+        # This process's heap after its imports (torch's modules: about a million objects) lives
+        # as long as the process: freeze it, so that the collections a save's allocations set
+        # off do not scan it (33 ms per save of 2048 records at W=2 before, py-spy, issue 13).
+        gc.collect()
+        gc.freeze()
         conn.send(WorkerMessage(WorkerEvent.READY, os.getpid()))
         job = None
         while True:

@@ -30,7 +30,7 @@ import torch
 from ._checksum import crc32
 from ._format import CHECKSUM_FORMAT, ItemKey, checksum_path
 from ._protocol import WriteResult
-from ._records import CrcAhead, FrameCache, raw_bytes, record_crc, writev_all
+from ._records import CrcAhead, FrameCache, raw_bytes, record_crc, start_writeback, writev_all
 from ._storage import is_url, storage_for
 from ._upload import ObjectUpload
 
@@ -348,6 +348,8 @@ class FileWriter:
                 pending += length
                 if pending >= _BATCH_BYTES:
                     writev_all(fd, pieces)
+                    if self.fsync:
+                        start_writeback(fd, pos - pending, pending)
                     pieces, pending, first = [], 0, None
             writev_all(fd, pieces)
         except OSError as e:
