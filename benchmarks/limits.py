@@ -16,8 +16,8 @@ reported apart). Ratios, all from the same run:
   same bytes, measured before the saves (goal: <= 1.25);
 * ``published_over_raw_after`` = the same over a raw write + fsync of the same bytes into a new
   file by every rank at once right after each save (medians of the steady saves): the same disk
-  state as the saves, whose files accumulate and are deleted between saves (the write+fsync time
-  of this machine's disk varied by 1.4x between the two ways of measuring it in one run).
+  state as the saves, whose files accumulate and are deleted between saves (on this machine's
+  disk the two ways of measuring it differed by up to a quarter in one run, in either direction).
 """
 
 from __future__ import annotations
