@@ -103,8 +103,8 @@ def plot_limits(report: Json, out_dir: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     names = list(report["cases"])
     for ax, key, title in ((axes[0], "stall_over_memcpy", "stall / memcpy"),
-                           (axes[1], "published_over_raw_write", "published / raw write+fsync before"),
-                           (axes[2], "published_over_raw_after", "published / raw write+fsync after each save")):
+                           (axes[1], "published_over_raw_write", "published / raw before the saves"),
+                           (axes[2], "published_over_raw_after", "published / raw after each save")):
         width = 0.8 / len(MODES)
         for i, m in enumerate(MODES):
             vals = [report["cases"][n]["ratios"].get(m, {}).get(key, 0.0) for n in names]
