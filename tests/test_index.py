@@ -116,10 +116,11 @@ def _damage(tmp_path, how):
 
 
 @pytest.mark.parametrize("how", ["other save", "no metadata", "truncated", "directory", "rows", "not an index"])
-def test_a_stale_or_damaged_index_is_refused(tmp_path, how):
+def test_a_stale_or_damaged_index_is_refused(tmp_path, how, case_log):
     md = _damage(tmp_path, how)
-    with pytest.raises(IndexUnusable), LoadIndex.open(tmp_path) as idx:
+    with pytest.raises(IndexUnusable) as e, LoadIndex.open(tmp_path) as idx:
         idx.metadata_for({k: None for k in md.state_dict_metadata})
+    case_log(f"load index: {how}", f"refused ({type(e.value).__name__}); the load reads .metadata")
 
 
 def test_no_index_is_none(tmp_path):
@@ -127,7 +128,7 @@ def test_no_index_is_none(tmp_path):
     assert LoadIndex.open(tmp_path) is None
 
 
-def test_solosave_load_reads_metadata_when_the_index_is_stale(tmp_path, caplog):
+def test_solosave_load_reads_metadata_when_the_index_is_stale(tmp_path, caplog, case_log):
     import solosave
 
     md = _stock(tmp_path)
@@ -141,6 +142,8 @@ def test_solosave_load_reads_metadata_when_the_index_is_stale(tmp_path, caplog):
         solosave.load(got, tmp_path)
     assert torch.equal(got["w"], new["w"]) and torch.equal(got["half"], new["half"]) and got["n"] == new["n"]
     assert "not using the load index" in caplog.text and "another .metadata" in caplog.text
+    case_log("stock DCP saves into a solosave checkpoint; its load index stays behind",
+             "solosave.load warns, ignores the stale index and loads the new values from .metadata")
 
 
 @pytest.mark.timeout(200)

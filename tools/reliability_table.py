@@ -1,7 +1,7 @@
 """Regenerate the case table of docs/reliability.md from a run of the reliability tests.
 
     .venv/bin/python tools/reliability_table.py --run              # fault + bad-input suites
-    .venv/bin/python tools/reliability_table.py --run --with-soak  # and the 200-save soak
+    .venv/bin/python tools/reliability_table.py --run --with-soak  # and the slow-marked cases (soaks)
 
 ``--run`` runs pytest with ``SOLOSAVE_RELIABILITY_OUT`` set (tests/conftest.py writes one JSON
 row per case, with the test's outcome); ``--json FILE`` reuses files of earlier runs instead.
@@ -23,7 +23,7 @@ DOC = os.path.join(ROOT, "docs", "reliability.md")
 START, END = "<!-- reliability-table:start -->", "<!-- reliability-table:end -->"
 SUITES = ["tests/test_faults.py", "tests/test_faults_input.py", "tests/test_faults_lifecycle.py",
           "tests/test_load.py", "tests/test_write.py", "tests/test_engine.py", "tests/test_multihost.py",
-          "tests/test_verify.py", "tests/test_checkpointer.py"]
+          "tests/test_verify.py", "tests/test_checkpointer.py", "tests/test_index.py"]
 
 
 def run(paths: list[str], marker: str) -> tuple[dict, str, float]:
@@ -68,7 +68,7 @@ def main() -> int:
     if a.run:
         runs.append(run(SUITES, "not slow"))
         if a.with_soak:
-            runs.append(run(["tests/test_soak.py"], "slow"))
+            runs.append(run(["tests/test_soak.py", *SUITES], "slow"))  # soaks and slow-marked cases
     for path in a.json:
         with open(path) as f:
             data = json.load(f)
