@@ -667,3 +667,19 @@ def mixed_soak(rank: int, ws: int, root: str, steps: int, timeout: float) -> dic
     dist.barrier()
     return {"counts": counts, "checkpoints": len(expect), "fds_before": fds0, "fds_after": open_fds(),
             "children_before": kids0, "children_after": children(me)}
+
+
+def one_rank_cannot_read_prepared(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """A good prepared file is made; then rank 1 alone is given a file it cannot read (a path
+    that does not exist there). Every rank must fail at construction, long before ``timeout``."""
+    _fresh(root)
+    with _reuse_ck(root, timeout) as ck:
+        ck.save(sd_at(rank, 0), f"{root}/c0").wait(SETUP_WAIT)
+    dist.barrier()
+    path = f"{root}/prep.md" if rank == 0 else f"{root}/missing-on-this-host.md"
+    t0 = time.monotonic()
+    try:
+        solosave.AsyncCheckpointer(prepared_metadata=path, timeout=timeout).close()
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error": _error(e, t0), "seconds": time.monotonic() - t0}

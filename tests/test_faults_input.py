@@ -47,7 +47,7 @@ def test_bad_prepared_files_refused_and_left_alone(tmp_path, case_log):
     o = outs[0]
     for name, (typ, needle) in want.items():
         case_log(f"prepared file {name} (create_prepared_metadata False and True)",
-                 f"every rank: {typ} at construction ('{needle}'), before any collective; the file "
+                 f"every rank: {typ} at construction ('{needle}'), before any save; the file "
                  "is left byte-identical (not overwritten in create mode)"
                  + ("; the payload's os.system never ran" if name == "unsafe" else ""), dt)
     case_log("prepared file made with workers=1, checkpointer workers=2",
@@ -124,3 +124,16 @@ def test_checkpoint_metadata_that_would_execute_code(tmp_path, case_log):
              "refused before anything is resolved (solosave.UnsafeMetadataError); the command never "
              "ran; the intact checkpoint loads",
              time.monotonic() - t0)
+
+
+@pytest.mark.timeout(150)
+def test_a_prepared_file_one_rank_cannot_read_fails_every_rank_at_once(tmp_path, case_log):
+    outs = run_ranks(F.one_rank_cannot_read_prepared, 2, str(tmp_path), 120.0, timeout=140)
+    e0, e1 = outs[0]["error"], outs[1]["error"]
+    assert e1 is not None and e1["type"] == "PreparedMetadataError" and "does not exist" in e1["msg"], e1
+    assert e0 is not None and e0["type"] == "PreparedMetadataError" and "rank 1 could not set up" in e0["msg"], e0
+    assert "does not exist" in e0["msg"]
+    assert outs[0]["seconds"] < 60, outs  # not the 120 s timeout of the set-up broadcast
+    case_log("prepared file readable on rank 0 only (rank 1 cannot find it)",
+             f"rank 1: its own PreparedMetadataError; rank 0: PreparedMetadataError naming rank 1 after "
+             f"{outs[0]['seconds']:.2f} s (timeout 120 s); no worker started", outs[0]["seconds"])

@@ -166,7 +166,7 @@ class AsyncCheckpointer:
         self._submit_error: BaseException | None = None
         self._known_buckets: set[str] = set()  # URL destinations whose bucket was seen to exist
         self._res = _Resources()
-        self._res.session = SaveSession(self.rank, self.world_size, self.options, self._initial_prepared())
+        self._res.session = SaveSession(self.rank, self.world_size, self.options, self._agreed_prepared())
         self._finalizer = weakref.finalize(self, self._res.release, 5.0)
         self._start_background(writer)
 
@@ -187,6 +187,25 @@ class AsyncCheckpointer:
         self._res.transport = ThreadTransport(Engine(channel, settings, writer))
 
     # -- prepared metadata ----------------------------------------------------------------
+    def _agreed_prepared(self) -> PreparedMetadata | None:
+        """:meth:`_initial_prepared` on every rank, then one 8-byte ``all_reduce`` (counted):
+        when it failed on some ranks only (say, one rank's section of the prepared file is
+        damaged, or one rank cannot read the file), every rank raises now, naming that rank,
+        instead of the others waiting for it in the set-up broadcast until the timeout."""
+        try:
+            prepared, error = self._initial_prepared(), None
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
+            prepared, error = None, e
+        ch = DistChannel(self.process_group, self._setup_counter)
+        if ch.all_true(error is None):
+            return prepared
+        reports = ch.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        rank, why = next((r, m) for r, m in enumerate(reports) if m is not None)
+        raise PreparedMetadataError(f"rank {rank} could not set up its AsyncCheckpointer: {why} (every rank "
+                                    "must be able to read the prepared metadata; no rank started a worker)")
+
     def _initial_prepared(self) -> PreparedMetadata | None:
         o = self.options
         pm = o.prepared_metadata

@@ -3,7 +3,7 @@
 A :class:`Channel` is a group of ranks that runs collectives together. Two implementations:
 
 * :class:`DistChannel` wraps one ``torch.distributed`` process group (a gloo group owned by the
-  background side, or the user's group for the one-time set-up broadcast and the loader);
+  background side, or the user's group for the one-time set-up collectives and the loader);
 * :class:`LocalChannel` connects W threads of one process (:func:`local_channels`): the same
   protocol, run in milliseconds, for tests and for the scale simulation.
 
@@ -203,6 +203,13 @@ class DistChannel(Channel):
         self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.BAND, group=self.group))
         self._record("all_reduce", t.numel() * t.element_size(), t0)
         return int(t.item())
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank: one 8-byte ``all_reduce`` on gloo, an
+        ``all_gather_object`` of one bool on other backends (no device tensor needed)."""
+        if _is_gloo(self.group):
+            return self.all_reduce_and(int(flag)) == 1
+        return all(self.all_gather_object(bool(flag)))
 
     def post_receipt(self, seq: int, error: str | None) -> None:
         store = self._need_store()

@@ -249,7 +249,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     idx = None
     if use_index and local and not is_url(path) and _index_planner(planner):
         idx = _open_index(path)
-        if distributed and not _all_agree(idx is not None, process_group):
+        if distributed and not DistChannel(process_group).all_true(idx is not None):
             idx = _closed(idx)  # some rank cannot use it: every rank reads .metadata
     try:
         if idx is None:
@@ -298,14 +298,6 @@ def _closed(idx: LoadIndex | None) -> None:
     if idx is not None:
         idx.close()
     return None
-
-
-def _all_agree(flag: bool, process_group: Any) -> bool:
-    """Whether ``flag`` holds on every rank (one 8-byte ``all_reduce`` on gloo)."""
-    ch = DistChannel(process_group)
-    if _is_gloo(process_group):
-        return ch.all_reduce_and(int(flag)) == 1
-    return all(ch.all_gather_object(bool(flag)))
 
 
 def _plans_locally(planner: Any) -> bool:
