@@ -93,9 +93,10 @@ def test_collective_counts_match_torch_distributed(tmp_path, monkeypatch):
     assert observed["worker"] == reported
     assert reported == Counter({"gather_object": 2 * 2 * saves, "scatter_object_list": 2 * saves,
                                 "broadcast_object_list": 2 * saves})
-    # trainers: one setup broadcast each, and the test's own barriers; nothing per save from solosave
-    assert observed["trainer"]["broadcast_object_list"] == 2
-    assert set(observed["trainer"]) <= {"broadcast_object_list", "barrier"}
+    # trainers: at set-up one 8-byte all_reduce (every rank could read its prepared metadata) and
+    # one broadcast each, and the test's own barriers; nothing per save from solosave
+    assert observed["trainer"]["broadcast_object_list"] == 2 and observed["trainer"]["all_reduce"] == 2
+    assert set(observed["trainer"]) <= {"broadcast_object_list", "all_reduce", "barrier"}
 
 
 def test_overlapped_staging_keeps_the_values_of_the_call_and_fails_a_raced_save(tmp_path, case_log):
