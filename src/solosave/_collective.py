@@ -171,7 +171,7 @@ def finish(engine: Engine, job: SaveJob, plan: GlobalPlan, reports: list[WriteRe
                                               "torch_version": torch.__version__}, index_body)
         if blob is not None:
             prepared = _persist_prepared(engine, blob)
-        engine.write_index(job, index_body, template, save_id, timings)
+        engine.write_index(job, lambda: (index_body, template), save_id, timings)
         engine.publish(job, data, timings)
         return FinishNotice({}, prepared, True)
     except Exception as e:  # noqa: BLE001 - reported to every rank

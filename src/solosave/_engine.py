@@ -37,6 +37,7 @@ import time
 import traceback
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from . import _index as index
@@ -149,16 +150,21 @@ class Engine:
             return Record(it.spec.key, payload=it.payload, pad_to=pad.get(it.spec.key))
         return Record(it.spec.key, tensor=self.reader.tensor(job.staged, it))
 
-    def write_index(self, job: SaveJob, body: bytes | None, template: MetadataTemplate, save_id: str,
-                    timings: dict[str, float]) -> None:
-        """Coordinator, before :meth:`publish`: the load index of the ``.metadata`` that
-        ``template`` renders with ``save_id`` (``_index``). The index only speeds loads up: a
-        failure to write it is a warning (loads then read ``.metadata``; an index left by an
-        earlier save does not match this ``.metadata``'s ``save_id`` and is not used)."""
-        if body is None or is_url(job.directory):  # URL loads read .metadata (DCP's read path)
+    def write_index(self, job: SaveJob, source: Callable[[], tuple[bytes | None, MetadataTemplate]],
+                    save_id: str, timings: dict[str, float]) -> None:
+        """Coordinator, before :meth:`publish`: the load index of the ``.metadata`` that the
+        template renders with ``save_id`` (``_index``; ``source()``: the index body, ``None`` for
+        none, and the template). The index only speeds loads up: a failure to read its body or write it is a
+        warning (loads then read ``.metadata``; an index left by an earlier save does not match
+        this ``.metadata``'s ``save_id`` and is not used)."""
+        if is_url(job.directory):  # URL loads read .metadata (DCP's read path)
             return
         t0 = time.perf_counter()
         try:
+            body, template = source()
+            if body is None:
+                return
+            storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)  # reuse: may run first
             index.write(job.directory, index.render(body, template, os.fspath(job.directory), save_id),
                         fsync=self.writer.fsync, storage_options=self.settings.storage_options)
         except Exception as e:  # noqa: BLE001 - the checkpoint is complete without it
@@ -211,14 +217,9 @@ class Engine:
         if not self.channel.is_coordinator or prepared is None or job.abort is not None:
             return None
 
-        def run() -> None:
-            try:
-                storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
-                self.write_index(job, prepared.index_body, prepared.template, save_id, defaultdict(float))
-            except Exception as e:  # noqa: BLE001 - as in write_index: the checkpoint is complete without it
-                self.warnings.append(f"the load index of {job.directory} was not written ({describe(e)})")
-
-        thread = threading.Thread(target=run, name="solosave-index", daemon=True)
+        thread = threading.Thread(target=self.write_index, name="solosave-index", daemon=True,
+                                  args=(job, lambda: (prepared.index_body, prepared.template), save_id,
+                                        defaultdict(float)))
         thread.start()
         return thread
 
