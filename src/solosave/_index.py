@@ -137,7 +137,6 @@ def _body(sdm: Mapping[str, Any], planner_data: Mapping[str, Any] | None, table:
     offs, sizes = table.offs.numpy(), table.sizes.numpy()
     groups: dict[tuple, int] = {}
     members: list[list[int]] = []   # per group: the first chunk id of each key
-    shapes: list[tuple[int, int]] = []
     keys: dict[str, list[Any]] = {}
     for f, fqn in enumerate(table.names):
         a, b, nd = table.bounds[f], table.bounds[f + 1], table.nd[f]
@@ -150,13 +149,12 @@ def _body(sdm: Mapping[str, Any], planner_data: Mapping[str, Any] | None, table:
         if g is None:
             g = groups[geo] = len(members)
             members.append([])
-            shapes.append((b - a, nd))
         keys[fqn] = ["t", g, len(members[g]), dtype_name(m.properties.dtype), [int(s) for s in m.size], *_props(m)]
         members[g].append(a)
     blobs: list[bytes] = []
     group_rows: list[list[int]] = []
     pos = 0
-    for first, (n, nd) in zip(members, shapes):
+    for (nd, n, *_), first in zip(groups, members):  # a group's geometry key starts (dims, chunks)
         a = first[0]
         geo = zlib.compress(np.ascontiguousarray(offs[a:a + n, :nd], "<i8").tobytes()
                             + np.ascontiguousarray(sizes[a:a + n, :nd], "<i8").tobytes(), 1)
@@ -165,16 +163,13 @@ def _body(sdm: Mapping[str, Any], planner_data: Mapping[str, Any] | None, table:
         rows["file"], rows["offset"], rows["length"] = cfile[ids], coff[ids], clen[ids]
         width = len(first) * ROW.itemsize
         raw = rows.view(np.uint8).reshape(n, width)
-        block = np.empty((n, width + 4), np.uint8)
+        block = np.empty((n, width + CRC.size), np.uint8)
         block[:, :width] = raw
         crcs = np.fromiter((zlib.crc32(r) for r in raw), np.uint32, n) if width else np.zeros(n, np.uint32)
-        block[:, width:] = crcs.astype("<u4").view(np.uint8).reshape(n, 4)
-        group_rows.append([n, nd, len(first), pos, len(geo), zlib.crc32(geo)])
-        blobs.append(geo)
-        pos += len(geo)
-        blobs.append(block.tobytes())
-        group_rows[-1].append(pos)
-        pos += block.nbytes
+        block[:, width:] = crcs.astype("<u4").view(np.uint8).reshape(n, CRC.size)
+        group_rows.append([n, nd, len(first), pos, len(geo), zlib.crc32(geo), pos + len(geo)])
+        blobs += [geo, block.tobytes()]
+        pos += len(geo) + block.nbytes
     directory = json.dumps({
         "files": files, "keys": keys, "groups": group_rows,
         "planner_data": {k: list(v) for k, v in (planner_data or {}).items()},
