@@ -180,7 +180,7 @@ def old_plan_payload(job: Any) -> bytes:
     dtype_index, nbytes, ndims, numbers), staged positions, planner_data, prewritten, drifts,
     identity)``, whose staged positions were always an ``array("q")`` of every staged item and
     whose identity was an int."""
-    from solosave._protocol import pack_specs
+    from solosave._packing import pack_specs
 
     packed = pack_specs(list(job.held))
     old = (("cols",) + tuple(packed), array("q", range(len(job.held))), job.planner_data, None, [], 123456789)
@@ -221,6 +221,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     """The collective path's coordinator work and the reuse path's, at world size ``world``."""
     from solosave._chunks import validate_chunks
     from solosave._collective import decide, finish
+    from solosave._packing import written_columns
     from solosave._protocol import Verdict, WriteReport
 
     out: Json = {"world": world}
@@ -274,7 +275,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
         held = solosave_rank_specs(structure, world, r)
         specs = [held[i] for i in plan.writes[r]]
         results = solosave_results(specs, r, workers)
-        result_payloads.append(_dumps(WriteReport(results, None)))
+        result_payloads.append(_dumps(WriteReport(None, None, written_columns([s.key for s in held], results))))
         old_results.append(len(_dumps((results, None))))
         if r in sample_ranks:
             samples[r] = (held, results)

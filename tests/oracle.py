@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.metadata import (
 from solosave._chunks import validate_chunks
 from solosave._format import METADATA_VERSION, ItemKey, as_key, dtype_from_name
 from solosave._layout import PlanValidationError, check_results_cover, gc_paused, shared_size
-from solosave._protocol import ItemKind, ItemSpec, PlanRequest, WriteResult, unpack_specs
+from solosave._packing import unpack_specs
+from solosave._protocol import ItemKind, ItemSpec, PlanRequest, WriteResult
 
 
 def assign_writers(

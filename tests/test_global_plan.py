@@ -9,7 +9,8 @@ import pytest
 from oracle import oracle_plan
 from solosave._global_plan import global_plan
 from solosave._layout import PlanValidationError
-from solosave._protocol import ItemKind, ItemSpec, PlanRequest, narrow, pack_specs, save_identity
+from solosave._packing import narrow, pack_specs
+from solosave._protocol import ItemKind, ItemSpec, PlanRequest, save_identity
 
 
 def _requests(per_rank_specs, staged=None, prewritten=None):

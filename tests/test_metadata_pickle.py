@@ -17,12 +17,15 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from oracle import build_metadata
+from solosave._buckets import key_bucket
+from solosave._convert import prepared_from_results
 from solosave._layout import PlanValidationError
 from solosave._metadata_pickle import metadata_template
 from solosave._publish import MetadataTemplate
 from solosave._results import ChunkTable, chunk_buckets, prepared_from_columns, result_columns
 from solosave._safe_pickle import safe_loads
-from solosave._sections import BytesSource, SectionReader, key_bucket, prepared_from_results
+from solosave._sections import SectionReader
+from solosave._sources import BytesSource
 from test_global_plan import _requests, _scenario
 
 
@@ -139,3 +142,38 @@ def test_prepared_file_from_columns_has_the_sections_of_the_per_row_build():
     assert [new.rank_layout(r) for r in range(3)] == [old.rank_layout(r) for r in range(3)]
     assert [new.bucket(b) for b in range(new.buckets)] == [old.bucket(b) for b in range(old.buckets)]
     assert new.template_parts() == template.parts
+
+
+def test_placed_columns_match_by_held_position_and_refuse_what_does_not_cover_the_plan():
+    """The coordinator matches fresh write results to chunks by each rank's held positions
+    (``WrittenColumns``); a chunk written twice or never, or a position a rank does not hold, is
+    refused naming it."""
+    from array import array
+
+    from solosave._layout import PlanValidationError
+    from solosave._packing import written_columns
+    from solosave._results import placed_columns
+
+    sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 2]),
+                                      [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 2])),
+                                       ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 2]))]),
+           "extra": BytesStorageMetadata()}
+    table = ChunkTable.from_metadata(sdm)  # chunk ids: w@0 -> 0, w@2 -> 1, extra -> 2
+    held = [[("w", (0, 0)), ("extra", None)], [("w", (2, 0)), ("extra", None)]]  # extra is replicated
+    held_chunks, counts = torch.tensor([0, 2, 1, 2]), [2, 2]
+    r0 = written_columns(held[0], [(("extra", None), "__0_1.distcp", 0, 9), (("w", (0, 0)), "__0_0.distcp", 0, 40)])
+    r1 = written_columns(held[1], [(("w", (2, 0)), "__1_0.distcp", 0, 40)])
+    res = placed_columns(table, held_chunks, counts, [r0, r1])
+    assert res.uid.tolist() == [2, 0, 1] and res.rank.tolist() == [0, 0, 1]
+    assert [res.files[f] for f in res.file.tolist()] == ["__0_1.distcp", "__0_0.distcp", "__1_0.distcp"]
+    assert res.offset.tolist() == [0, 0, 0] and res.length.tolist() == [9, 40, 40]
+    twice = written_columns(held[1], [(("w", (2, 0)), "__1_0.distcp", 0, 40), (("extra", None), "__1_0.distcp", 40, 9)])
+    with pytest.raises(PlanValidationError, match="'extra' written 2 times"):
+        placed_columns(table, held_chunks, counts, [r0, twice])
+    with pytest.raises(PlanValidationError, match=r"'w' chunk at offsets \(2, 0\) written 0 times"):
+        placed_columns(table, held_chunks, counts, [r0, written_columns(held[1], [])])
+    beyond = r1._replace(positions=array("b", [2]))
+    with pytest.raises(PlanValidationError, match="rank 1 reported item position 2 of 2 held items"):
+        placed_columns(table, held_chunks, counts, [r0, beyond])
+    with pytest.raises(ValueError, match="does not hold"):
+        written_columns(held[1], [(("w", (0, 0)), "__1_0.distcp", 0, 40)])

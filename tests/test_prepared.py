@@ -7,6 +7,7 @@ import torch.distributed.checkpoint as dcp
 
 import solosave
 from solosave._options import CheckpointerOptions
+from solosave._prepared import FORMAT_VERSION
 from solosave._publish import MetadataTemplate, atomic_write
 from support import dcp_save_local
 
@@ -200,8 +201,8 @@ def _sharded_prepared(world=8, tensors=3, workers=2):
         TensorStorageMetadata,
     )
 
+    from solosave._convert import prepared_from_results
     from solosave._publish import MetadataTemplate as Tpl
-    from solosave._sections import prepared_from_results
 
     sdm, by_rank = {}, [[] for _ in range(world)]
     for t in range(tensors):
@@ -218,10 +219,11 @@ def _sharded_prepared(world=8, tensors=3, workers=2):
     return blob, md
 
 
-def test_v2_round_trip_and_per_rank_reads_touch_only_header_and_own_section(tmp_path):
+def test_sectioned_round_trip_and_per_rank_reads_touch_only_header_and_own_section(tmp_path):
     from solosave._plan import LocalPlan
     from solosave._protocol import ItemKind, ItemSpec
-    from solosave._sections import FileSource, SectionReader
+    from solosave._sections import SectionReader
+    from solosave._sources import FileSource
 
     blob, md = _sharded_prepared(world=64)
     path = tmp_path / "p.prepared"
@@ -256,12 +258,13 @@ def test_v2_round_trip_and_per_rank_reads_touch_only_header_and_own_section(tmp_
     assert again.rank_files(5) == files and again.fingerprint == pm.fingerprint
 
 
-def test_v2_reuse_plan_finds_items_written_by_other_ranks_in_the_directory(tmp_path):
+def test_sectioned_reuse_plan_finds_items_written_by_other_ranks_in_the_directory(tmp_path):
     from solosave._plan import LocalPlan
     from solosave._protocol import ItemKind, ItemSpec
 
     blob, _ = _sharded_prepared(world=16)
-    from solosave._sections import BytesSource, SectionReader
+    from solosave._sections import SectionReader
+    from solosave._sources import BytesSource
 
     pm = solosave.PreparedMetadata(SectionReader(BytesSource(blob)))
     mine = ItemSpec("model.t0", ItemKind.TENSOR, (0, 0), (2, 3), (32, 3), "float32", 24)
@@ -308,14 +311,73 @@ def test_v1_file_and_plain_metadata_convert_to_the_same_layout(ckpt_dir, tmp_pat
     a = solosave.load_prepared_metadata(v1)
     b = solosave.load_prepared_metadata(ckpt_dir)
     a.check_compatible(1, 1)
-    assert a.fingerprint.world_size == 1 and a.fingerprint.format_version == 2
+    assert a.fingerprint.world_size == 1 and a.fingerprint.format_version == FORMAT_VERSION
     assert a.rank_files(0) == b.rank_files(0) and a.metadata == b.metadata
-    # `solosave prepare` converts to version 2, read by sections
-    out = tmp_path / "v2.prepared"
+    # `solosave prepare` converts to version 3, read by sections
+    out = tmp_path / "v3.prepared"
     solosave.save_prepared_metadata(a, out)
-    assert out.read_bytes().startswith(b"SOLOSAVE-PREPARED\n2\n")
+    assert out.read_bytes().startswith(b"SOLOSAVE-PREPARED\n3\n")
     c = solosave.load_prepared_metadata(out)
     assert c.rank_files(0) == a.rank_files(0) and c.fingerprint == a.fingerprint
     (tmp_path / "v9").write_bytes(b"SOLOSAVE-PREPARED\n9\n{}\n")
-    with pytest.raises(solosave.FingerprintMismatchError, match="reads 1 and 2"):
+    with pytest.raises(solosave.FingerprintMismatchError, match="reads 1, 2, 3"):
         solosave.load_prepared_metadata(tmp_path / "v9")
+
+
+def test_version_2_files_are_still_read(tmp_path):
+    """A prepared file written by solosave before version 3 (tests/data/make_prepared_v2.py)
+    opens by sections and gives the same layout, directory and metadata as version 3."""
+    import sys
+    from pathlib import Path
+
+    data_dir = Path(__file__).parent / "data"
+    sys.path.insert(0, str(data_dir))
+    try:
+        from make_prepared_v2 import metadata
+    finally:
+        sys.path.remove(str(data_dir))
+    path = tmp_path / "old.prepared"
+    path.write_bytes((data_dir / "prepared_v2.bin").read_bytes())
+    old = solosave.load_prepared_metadata(path)
+    assert old._reader.version == 2 and old.fingerprint.format_version == 2
+    old.check_compatible(2, 2)
+    want = metadata()
+    assert old.metadata.storage_data == want.storage_data
+    assert old.metadata.state_dict_metadata == want.state_dict_metadata
+    new = solosave.PreparedMetadata.from_metadata(old.metadata, world_size=2, workers=2)
+    assert new._reader.version == 3
+    for r in range(2):
+        assert old.layout(r) == new.layout(r)
+    assert old.layout(1).files[0][1][0].key == ("w", (5, 0)) and old.layout(1).sizes[("w", (5, 0))] == (0, 4)
+    assert old.layout(0).sizes[("step", ())] == () and ("extra", None) not in old.layout(1).sizes
+    for key in [("w", (0, 0)), ("w", (5, 0)), ("cube", (0, 3, 0)), ("b", (0,)), ("step", ()), ("extra", None)]:
+        assert old.placed(key) and new.placed(key), key
+    assert not old.placed(("w", (1, 0))) and not new.placed(("w", (1, 0)))
+    assert old.index_body == new.index_body
+
+
+def test_version_3_section_with_impossible_rows_is_refused():
+    """A rank section whose checksum holds but whose rows name an fqn id or a number of dims
+    that the file cannot have is refused as corrupt, not turned into wrong keys."""
+    import struct
+
+    from solosave._sections import _ENTRY, LayoutColumns, SectionReader, _crc, build_prepared
+    from solosave._sources import BytesSource
+
+    structure = {"w": (0, "float32", (4, 2))}
+    good = [0, 2, 0, 100, 0, 0, 4, 2]
+    blob, header = build_prepared({"world_size": 1}, structure,
+                                  LayoutColumns(["w"], torch.tensor([good]), [[("__0_0.distcp", 1)]]), None, None)
+    reader = SectionReader(BytesSource(blob))
+    assert reader.rank_layout(0).files[0][1][0].key == ("w", (0, 0))
+    off, length, _ = reader._entry(0, "rank 0")
+    at = reader.body + off + length - 8 * len(good)  # the row, at the end of the section
+    for column, value in ((0, 7), (1, 5)):  # an fqn id beyond the structure, more dims than the width
+        bad = bytearray(blob)
+        bad[at + 8 * column:at + 8 * column + 8] = struct.pack("<q", value)
+        section = bytes(bad[reader.body + off:reader.body + off + length])
+        bad[reader.body:reader.body + _ENTRY.size] = _ENTRY.pack(off, length, _crc(reader.file_id, section))
+        with pytest.raises(solosave.PreparedMetadataError, match="section of rank 0 is corrupt"):
+            SectionReader(BytesSource(bytes(bad))).rank_layout(0)
+    with pytest.raises(ValueError, match="hold 2 rows"):
+        build_prepared({}, structure, LayoutColumns(["w"], torch.tensor([good]), [[("__0_0.distcp", 2)]]), None, None)

@@ -6,17 +6,8 @@ import random
 
 import pytest
 
-from solosave._protocol import (
-    ItemKind,
-    ItemSpec,
-    PlanRequest,
-    Status,
-    decode_status,
-    encode_status,
-    pack_specs,
-    save_identity,
-    unpack_specs,
-)
+from solosave._packing import pack_specs, unpack_specs
+from solosave._protocol import ItemKind, ItemSpec, PlanRequest, Status, decode_status, encode_status, save_identity
 
 
 def test_pack_specs_roundtrip_and_narrow_columns():

@@ -29,6 +29,7 @@ from ._global_plan import GlobalPlan, global_plan
 from ._index import body_from_columns
 from ._layout import bucket_items, gc_paused
 from ._metadata_pickle import metadata_template
+from ._packing import narrow, pack_specs, written_columns
 from ._prepared import PreparedMetadata, open_sectioned, write_prepared_bytes
 from ._protocol import (
     ErrorKind,
@@ -42,11 +43,10 @@ from ._protocol import (
     Verdict,
     WriteReport,
     WriteResult,
-    narrow,
-    pack_specs,
 )
-from ._results import ChunkTable, prepared_from_columns, result_columns
-from ._sections import BytesSource, SectionReader
+from ._results import ChunkTable, placed_columns, prepared_from_columns, result_columns
+from ._sections import SectionReader
+from ._sources import BytesSource
 from ._status import same_save
 from ._storage import basename, storage_for
 from ._write import bytes_slot
@@ -81,7 +81,7 @@ def run_collective(engine: Engine, job: SaveJob, timings: dict[str, float],
         warnings = ("layout drift: the prepared metadata no longer matches; this save took the "
                     "collective path and the prepared metadata was refreshed. Drifted: "
                     + "; ".join(f"rank {r}: {', '.join(d[:5])}" for r, d in sorted(mine.drifts.items()) if d),)
-    written = 0 if mine.skip_write or not ok else sum(r[3] for r in report.results or ())
+    written = 0 if mine.skip_write or not ok else report.bytes_written
     return JobOutcome(job.seq, ok, kind, None if ok else ErrorKind.FAILED, bytes_written=written,
                       failures=dict(notice.failures), drifts=dict(mine.drifts) if kind is SaveKind.FALLBACK else {},
                       prepared_metadata=notice.prepared, published=notice.published, warnings=warnings)
@@ -139,7 +139,8 @@ def write_assigned(engine: Engine, job: SaveJob, mine: PlanDecision, prewritten:
             files.append((file_name(engine.rank, n), [staged[s.key] for s in bucket]))
             pad.update({s.key: bytes_slot(len(staged[s.key].payload)) for s in bucket
                         if staged[s.key].payload is not None})
-        return WriteReport(engine.write(job, files, pad, timings), None)
+        rows = engine.write(job, files, pad, timings)
+        return WriteReport(None, None, written_columns([s.key for s in job.held], rows))
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         return WriteReport(None, describe(e))
 
@@ -157,7 +158,11 @@ def finish(engine: Engine, job: SaveJob, plan: GlobalPlan, reports: list[WriteRe
         engine.made_template = prepared = None
         with gc_paused():  # columns, not objects: see _results and _metadata_pickle
             table = plan.chunks or ChunkTable.from_metadata(sdm)
-            results = result_columns(table, sdm, [rep.results for rep in reports])
+            if plan.held_chunks is not None and all(rep.columns is not None for rep in reports):
+                results = placed_columns(table, plan.held_chunks, plan.held_counts or [],
+                                         [rep.columns for rep in reports])
+            else:  # the files a reuse fallback kept: keyed rows
+                results = result_columns(table, sdm, [rep.results for rep in reports])
             template = metadata_template(sdm, plan.planner_data, table, results)
             data = template.render(os.fspath(job.directory), save_id)
             index_body = body_from_columns(sdm, plan.planner_data, table, results)

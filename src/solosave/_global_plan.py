@@ -40,8 +40,9 @@ from torch.distributed.checkpoint.metadata import (
 from ._chunks import VECTOR_MIN, sweep_chunks, tiles_along_one_dim, validate_chunks
 from ._format import ItemKey, as_key, dtype_from_name
 from ._layout import SDM, PlanValidationError, gc_paused, shared_size
-from ._protocol import ItemKind, PlanRequest, unpack_specs
-from ._results import ChunkTable
+from ._packing import unpack_specs
+from ._protocol import ItemKind, PlanRequest
+from ._results import ChunkTable, int_column
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class GlobalPlan:
     drifts: dict[int, list[str]]
     #: The chunks of ``state_dict_metadata`` as columns (``None``: derive them from it).
     chunks: ChunkTable | None = None
+    #: The chunk id (in ``chunks``) of every held item, rank by rank in held order, and the
+    #: number of items each rank holds: how ``WrittenColumns`` rows are matched to chunks.
+    held_chunks: torch.Tensor | None = None
+    held_counts: list[int] | None = None
 
 
 @dataclass
@@ -123,20 +128,10 @@ def global_plan(requests: Sequence[PlanRequest]) -> GlobalPlan:
     skip = _prewritten_fit(requests, writes)
     drifts = {r: list(req.drifts) for r, req in enumerate(requests) if req.drifts}
     chunks = ChunkTable(cols.names, fq.nd, uq.bounds, uq.offs, uq.sizes)
-    return GlobalPlan(sdm, writes, skip, planner_data, drifts, chunks)
+    return GlobalPlan(sdm, writes, skip, planner_data, drifts, chunks, uq.inv, cols.counts)
 
 
 # -- phase 1 -----------------------------------------------------------------------------------
-
-_TORCH_INT = {"b": torch.int8, "i": torch.int32, "q": torch.int64}
-
-
-def _ints(arrays: Iterable) -> torch.Tensor:
-    """Integer ``array`` objects (typecodes of ``narrow``) concatenated into one int64 tensor."""
-    parts = [torch.frombuffer(bytearray(a), dtype=_TORCH_INT[a.typecode]).to(torch.int64)
-             for a in arrays if len(a)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-
 
 def _bytes(chunks: Iterable[bytes]) -> torch.Tensor:
     data = b"".join(chunks)
@@ -167,10 +162,10 @@ def _merge(requests: Sequence[PlanRequest]) -> _Cols:
                                    torch.tensor(counts, dtype=torch.int64))
     dtype = (torch.tensor(table_map, dtype=torch.int64)[_bytes(p.dtype_index for p in packed) + base]
              if n else torch.zeros(0, dtype=torch.int64))
-    nds = _ints(p.ndims for p in packed)
-    offs, sizes, gsz = _dims(nds, _ints(p.numbers for p in packed))
+    nds = int_column(p.ndims for p in packed)
+    offs, sizes, gsz = _dims(nds, int_column(p.numbers for p in packed))
     return _Cols(len(requests), counts, list(fid_of), fid, _bytes(p.kinds for p in packed), dtype,
-                 list(dt_of), _ints(p.nbytes for p in packed), nds, offs, sizes, gsz)
+                 list(dt_of), int_column(p.nbytes for p in packed), nds, offs, sizes, gsz)
 
 
 def _dims(nds: torch.Tensor, numbers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

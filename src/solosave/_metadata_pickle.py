@@ -41,9 +41,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ._buckets import distinct_rows
 from ._format import METADATA_VERSION
 from ._publish import MetadataTemplate
-from ._results import ChunkTable, ResultColumns, distinct_rows
+from ._results import ChunkTable, ResultColumns
 
 _I32 = 1 << 31
 

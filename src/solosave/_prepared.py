@@ -1,12 +1,13 @@
 """Prepared metadata: the layout of a constant structure, reused by every save.
 
-File format version 2 (:mod:`solosave._sections`, written atomically): a small header, offset
-tables, and sections, so that a rank reads only its own part (a few KiB, whatever the world
-size) and the coordinator also the ``.metadata`` template it publishes.
+File format version 3 (:mod:`solosave._sections`, written atomically; version-2 files are still
+read as they are): a small header, offset tables, and sections, so that a rank reads only its
+own part (a few KiB, whatever the world size) and the coordinator also the ``.metadata``
+template it publishes.
 :func:`load_prepared_metadata` also accepts version-1 files (one pickle of the whole
 ``Metadata``), a plain pickled DCP ``Metadata`` (what other tools' create modes write), a
 checkpoint's ``.metadata`` file, or a checkpoint directory: those are converted in memory (a
-read of the whole file; ``solosave prepare`` converts them to version 2 once). Every pickle is
+read of the whole file; ``solosave prepare`` converts them to version 3 once). Every pickle is
 loaded through the allowlist of :mod:`solosave._safe_pickle`.
 """
 
@@ -27,6 +28,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ._buckets import key_bucket
+from ._convert import sections_from_metadata
 from ._errors import FingerprintMismatchError, PreparedMetadataError
 from ._format import METADATA_FILE, ItemKey, parse_file_name
 from ._layout import gc_paused
@@ -34,21 +37,12 @@ from ._plan import LocalPlan
 from ._protocol import ItemKind, ItemSpec, PlacedItem, ReusePlan
 from ._publish import MetadataTemplate, atomic_write
 from ._safe_pickle import safe_loads
-from ._sections import (
-    BytesSource,
-    FileSource,
-    RankLayout,
-    SectionReader,
-    Source,
-    StorageSource,
-    is_sectioned,
-    key_bucket,
-    sections_from_metadata,
-)
+from ._sections import READ_VERSIONS, RankLayout, SectionReader, is_sectioned
+from ._sources import BytesSource, FileSource, Source, StorageSource
 from ._storage import is_url, join, normalize_url, storage_for
 
 MAGIC = b"SOLOSAVE-PREPARED\n"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +101,7 @@ def _restore(reader: SectionReader, source: str) -> PreparedMetadata:
 
 
 class PreparedMetadata:
-    """A prepared metadata (format version 2), read by sections on demand: a rank's reuse plan
+    """A prepared metadata (format version 3, or 2), read by sections on demand: a rank's reuse plan
     reads its own section (:meth:`rank_files`), the coordinator the template it publishes
     (:attr:`template`); :attr:`metadata` rebuilds the whole DCP ``Metadata`` (tools, tests).
 
@@ -271,10 +265,10 @@ class PreparedMetadata:
         fp, h = self.fingerprint, self._reader.header
         fix = ("Delete the file (or point prepared_metadata elsewhere) and run with "
                "create_prepared_metadata=True, or run `solosave prepare` from a checkpoint of this run.")
-        if fp.format_version != FORMAT_VERSION:
+        if fp.format_version not in READ_VERSIONS:
             raise FingerprintMismatchError(
                 f"{self.source}: prepared-metadata format version {fp.format_version}, this "
-                f"solosave reads {FORMAT_VERSION}. {fix}")
+                f"solosave reads {', '.join(map(str, READ_VERSIONS))}. {fix}")
         if fp.world_size is not None and fp.world_size != world_size:
             raise FingerprintMismatchError(
                 f"{self.source}: world_size differs: prepared for {fp.world_size} ranks, this run "
@@ -298,7 +292,7 @@ class PreparedMetadata:
 
 
 def _converted(md: Any, fp: Fingerprint | None, where: str) -> PreparedMetadata:
-    """A version-1 file's or plain ``Metadata``'s contents as a version-2 prepared metadata."""
+    """A version-1 file's or plain ``Metadata``'s contents as a version-3 prepared metadata."""
     if not isinstance(md, Metadata):
         raise PreparedMetadataError(f"{where}: holds a {type(md).__name__}, not a DCP Metadata")
     infer_world_workers(md)  # validates the data file names
@@ -311,7 +305,7 @@ def _converted(md: Any, fp: Fingerprint | None, where: str) -> PreparedMetadata:
 
 def open_sectioned(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
                    source: Source | None = None) -> PreparedMetadata | None:
-    """The version-2 prepared file at ``path`` (header read only), or ``None`` if ``path`` is
+    """The sectioned (version 3 or 2) prepared file at ``path`` (header read only), or ``None`` if ``path`` is
     not one (a directory, another format, missing: the caller reads it whole and explains)."""
     if source is None:
         if is_url(path):
@@ -346,7 +340,7 @@ def load_prepared_metadata(path: str | os.PathLike, *,
     """Load a prepared-metadata file, a plain pickled DCP ``Metadata``, a ``.metadata`` file or a
     checkpoint directory; a local path or a URL (``storage_options``: keyword arguments of its
     fsspec filesystem). Raises :class:`PreparedMetadataError` (or a subclass) with the reason.
-    A version-2 file is opened by its header only; the rest is read by sections on demand."""
+    A sectioned file is opened by its header only; the rest is read by sections on demand."""
     sectioned = open_sectioned(path, storage_options)
     if sectioned is not None:
         return sectioned
@@ -399,10 +393,10 @@ def _parse_prepared(p: Path | str, data: bytes) -> PreparedMetadata:
     except ValueError as e:
         raise PreparedMetadataError(f"{p}: prepared-metadata header is truncated or corrupt ({e}); "
                                     "delete the file and recreate it") from e
-    if version != 1:  # version 2 is opened by sections (open_sectioned)
+    if version != 1:  # versions 2 and 3 are opened by sections (open_sectioned)
         raise FingerprintMismatchError(
-            f"{p}: prepared-metadata format version {version}; this solosave reads 1 and "
-            f"{FORMAT_VERSION}. Recreate it with create_prepared_metadata=True")
+            f"{p}: prepared-metadata format version {version}; this solosave reads 1, "
+            f"{', '.join(map(str, READ_VERSIONS))}. Recreate it with create_prepared_metadata=True")
     with gc_paused():
         md = safe_loads(payload, what=str(p))
     try:
@@ -420,7 +414,7 @@ def prepared_fingerprint(metadata: Metadata, world_size: int | None = None,
 
 def save_prepared_metadata(prepared: PreparedMetadata | Metadata, path: str | os.PathLike, *,
                            storage_options: Mapping[str, Any] | None = None) -> None:
-    """Write ``prepared`` to ``path`` (format version 2) atomically (temp file, fsync, rename,
+    """Write ``prepared`` to ``path`` (format version 3) atomically (temp file, fsync, rename,
     directory fsync; on an object store one single-object write)."""
     if isinstance(prepared, Metadata):
         prepared = PreparedMetadata.from_metadata(prepared)

@@ -30,7 +30,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._format import ItemKey, item_key
+from ._format import ItemKey
 from ._status import SaveIdentity as SaveIdentity  # re-exported: the status word is a message too
 from ._status import Status as Status
 from ._status import decode_status as decode_status
@@ -355,18 +355,40 @@ def _pd(verdict: str, *fields: Any) -> PlanDecision:
     return PlanDecision(Verdict(verdict), *fields)
 
 
+class WrittenColumns(NamedTuple):
+    """A rank's fresh write results as columns: row ``i`` is the item at position
+    ``positions[i]`` of its held list (the list it sent in :class:`PlanRequest`), written to
+    ``files[file[i]]`` at ``offset[i]``, ``length[i]`` bytes. The coordinator knows every held
+    item's chunk from the plan, so it matches rows to chunks by position, with no key per row
+    (issue 15: 800k keyed rows at W=4096 took seconds to unpickle and match)."""
+
+    positions: array
+    files: list[str]
+    file: array
+    offset: array
+    length: array
+
+
 class WriteReport(NamedTuple):
-    """A rank's write results (or its error) for the second gather."""
+    """A rank's write results (or its error) for the second gather: fresh writes as
+    ``columns``; the files a reuse fallback kept (``skip_write``) as keyed ``results`` rows."""
 
     results: list[WriteResult] | None
     error: str | None
+    columns: WrittenColumns | None = None
 
     def __reduce__(self) -> tuple:  # a short global instead of the class: gathered from every rank
-        return (_wr, (self.results, self.error))
+        return (_wr, (self.results, self.error, self.columns))
+
+    @property
+    def bytes_written(self) -> int:
+        if self.columns is not None:
+            return sum(self.columns.length)
+        return sum(r[3] for r in self.results or ())
 
 
-def _wr(results: list[WriteResult] | None, error: str | None) -> WriteReport:
-    return WriteReport(results, error)
+def _wr(results: list[WriteResult] | None, error: str | None, columns: WrittenColumns | None = None) -> WriteReport:
+    return WriteReport(results, error, columns)
 
 
 class FinishNotice(NamedTuple):
@@ -375,73 +397,3 @@ class FinishNotice(NamedTuple):
     failures: dict[int, str]
     prepared: Any                  #: the PreparedMetadata it made (a file reference, or in memory)
     published: bool
-
-
-# ---------------------------------------------------------------------------------------------
-# Columnar specs
-# ---------------------------------------------------------------------------------------------
-
-def pack_specs(specs: list[ItemSpec]) -> PackedSpecs:
-    """One rank's items in columnar form, for the planning gather: a few Python objects per
-    rank instead of one tuple per item, so that the coordinator unpickles and merges W ranks'
-    items with array operations (``_global_plan.py``). Integer columns use the smallest signed
-    typecode that holds their values ("b", "i" or "q")."""
-    fqns: list[str] = []
-    kinds = bytearray()
-    dt_index = bytearray()
-    table: dict[str | None, int] = {}
-    nbytes, ndims, numbers = array("q"), array("q"), array("q")
-    for s in specs:
-        o, z, g = s.offsets, s.sizes, s.global_size
-        if o is None and z is None and g is None:
-            ndims.append(-1)
-        elif o is not None and z is not None and g is not None and len(o) == len(z) == len(g):
-            ndims.append(len(o))
-            numbers.extend(o)
-            numbers.extend(z)
-            numbers.extend(g)
-        else:
-            raise ValueError(f"internal: item {s.fqn!r} has offsets, sizes and global size of "
-                             "different lengths")
-        fqns.append(s.fqn)
-        kinds.append(int(s.kind))
-        dt_index.append(table.setdefault(s.dtype, len(table)))
-        nbytes.append(s.nbytes)
-    return PackedSpecs(fqns, bytes(kinds), list(table), bytes(dt_index), narrow(nbytes),
-                       narrow(ndims), narrow(numbers))
-
-
-def narrow(a: array) -> array:
-    """``a`` with the smallest signed typecode of 1, 4 or 8 bytes that holds its values."""
-    if not a:
-        return array("b")
-    lo, hi = min(a), max(a)
-    for code, bound in (("b", 1 << 7), ("i", 1 << 31)):
-        if array(code).itemsize * 8 == bound.bit_length() and -bound <= lo and hi < bound:
-            return array(code, a)
-    return a
-
-
-def unpack_specs(packed: PackedSpecs) -> list[ItemSpec]:
-    """The :class:`ItemSpec` objects of a :func:`pack_specs` payload (``owner`` is not sent)."""
-    kind_of = tuple(ItemKind)
-    out = []
-    pos = 0
-    for i, fqn in enumerate(packed.fqns):
-        nd = packed.ndims[i]
-        if nd < 0:
-            o = z = g = None
-        else:
-            nums = packed.numbers
-            o = tuple(nums[pos:pos + nd])
-            z = tuple(nums[pos + nd:pos + 2 * nd])
-            g = tuple(nums[pos + 2 * nd:pos + 3 * nd])
-            pos += 3 * nd
-        out.append(ItemSpec(fqn, kind_of[packed.kinds[i]], o, z, g,
-                            packed.dtype_table[packed.dtype_index[i]], packed.nbytes[i]))
-    return out
-
-
-def result_keys(rows: list | None) -> list[WriteResult]:
-    """Write result rows with their keys normalised (after pickling)."""
-    return [(item_key(*k), rel, int(off), int(n)) for k, rel, off, n in rows or ()]

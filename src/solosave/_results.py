@@ -13,9 +13,8 @@ pickle and the prepared file from these columns.
 from __future__ import annotations
 
 import math
-import zlib
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -23,10 +22,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ._buckets import column_buckets
 from ._layout import PlanValidationError, check_results_cover
-from ._protocol import WriteResult, result_keys
+from ._packing import result_keys
+from ._protocol import WriteResult, WrittenColumns
 from ._publish import MetadataTemplate
-from ._sections import VERSION, _file_order, _template_section, bucket_count, build_prepared, structure_of
+from ._sections import VERSION, LayoutColumns, _file_order, _template_section, build_prepared, structure_of
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,59 @@ def result_columns(table: ChunkTable, sdm: Mapping[str, object],
                          len(counts))
 
 
+def int_column(arrays: Iterable[array]) -> torch.Tensor:
+    """Integer ``array`` objects (typecodes ``b``, ``h``, ``i``, ``l``, ``q``) concatenated into
+    one int64 tensor."""
+    parts = [torch.frombuffer(bytearray(a), dtype=_TORCH_INT[a.itemsize]).to(torch.int64) for a in arrays if len(a)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+_TORCH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def placed_columns(table: ChunkTable, held_chunks: torch.Tensor, held_counts: Sequence[int],
+                   reports: Sequence[WrittenColumns]) -> ResultColumns:
+    """Every rank's :class:`~solosave._protocol.WrittenColumns` matched to ``table`` through the
+    plan's ``held_chunks`` (the chunk of each rank's held position); raises
+    :class:`PlanValidationError`, naming the items, unless every chunk of the plan was written
+    exactly once and every row is an item its rank holds."""
+    world = len(reports)
+    counts = [len(c.positions) for c in reports]
+    rank = torch.repeat_interleave(torch.arange(world, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64))
+    pos = int_column([c.positions for c in reports])
+    held = torch.tensor(list(held_counts), dtype=torch.int64)
+    bad = (pos < 0) | (pos >= held[rank]) if pos.numel() else pos.bool()
+    if bool(bad.any()):
+        r = int(rank[bad][0])
+        raise PlanValidationError(f"write results do not cover the plan: rank {r} reported item position "
+                                  f"{int(pos[bad][0])} of {held_counts[r]} held items")
+    start = torch.cumsum(held, 0) - held
+    uid = held_chunks[start[rank] + pos] if pos.numel() else pos
+    seen = torch.bincount(uid, minlength=table.n)
+    if table.n and not bool((seen == 1).all()):
+        problems = [f"{_key_text(table, int(u))} written {int(seen[u])} times" for u in
+                    torch.nonzero(seen != 1).flatten()[:10].tolist()]
+        raise PlanValidationError("write results do not cover the plan: " + "; ".join(problems))
+    files: dict[str, int] = {}
+    ids: list[int] = []   # every rank's file names, as ids into ``files``
+    base: list[int] = []  # where each rank's names start in ``ids``
+    for c in reports:
+        base.append(len(ids))
+        ids.extend(files.setdefault(f, len(files)) for f in c.files)
+    local = int_column([c.file for c in reports])
+    file = torch.tensor(ids or [0], dtype=torch.int64)[torch.tensor(base, dtype=torch.int64)[rank] + local] \
+        if pos.numel() else pos
+    return ResultColumns(uid, rank, file, int_column([c.offset for c in reports]),
+                         int_column([c.length for c in reports]), list(files), world)
+
+
+def _key_text(table: ChunkTable, uid: int) -> str:
+    f = next(i for i in range(len(table.names)) if table.bounds[i] <= uid < table.bounds[i + 1])
+    if table.nd[f] < 0:
+        return repr(table.names[f])
+    return f"{table.names[f]!r} chunk at offsets {tuple(table.offs[uid, :table.nd[f]].tolist())}"
+
+
 def _match(table: ChunkTable, fqns: Sequence[str], offsets: Sequence) -> torch.Tensor | None:
     """The chunk id of each row, by array operations; ``None`` when a row does not match
     exactly one chunk, the coverage is not exact, or the keys do not fit in int64."""
@@ -189,79 +243,26 @@ def _match_slowly(table: ChunkTable, sdm: Mapping[str, object], rows: list) -> t
 def prepared_from_columns(sdm: Mapping[str, object], table: ChunkTable, res: ResultColumns,
                           template: MetadataTemplate, storage_meta: tuple[str, str] | None,
                           fields: dict[str, Any], index_body: bytes | None = None) -> bytes:
-    """The version-2 prepared file of a collective save (``_sections.prepared_from_results``)
-    from the columns: rows sorted by rank, file and offset with array operations, then cut
-    into each rank's files."""
-    chunk_offs: list = [None] * table.n
-    chunk_sizes: list = [None] * table.n
-    for f, nd in enumerate(table.nd):
-        a, b = table.bounds[f], table.bounds[f + 1]
-        if nd >= 0:
-            chunk_offs[a:b] = map(tuple, table.offs[a:b, :nd].tolist())
-            chunk_sizes[a:b] = map(tuple, table.sizes[a:b, :nd].tolist())
+    """The prepared file of a collective save from the columns: rows sorted by rank, file and
+    offset with array operations and written as the version-3 column sections
+    (``_sections.build_prepared``)."""
     file_pos = torch.tensor([p for p, _ in sorted(enumerate(res.files), key=lambda x: _file_order(x[1]))],
                             dtype=torch.int64).argsort()
     order = sorted_rows(res.rank, file_pos[res.file] if res.n else res.file, res.offset)
     uid, rank, file = res.uid[order], res.rank[order], res.file[order]
-    fids = table.fids()[uid].tolist()
-    uids = uid.tolist()
-    rows = list(zip([table.names[f] for f in fids], [chunk_offs[u] for u in uids], res.offset[order].tolist(),
-                    res.length[order].tolist(), [chunk_sizes[u] for u in uids]))
-    rank_rows: list[list[tuple[str, list]]] = [[] for _ in range(res.world)]
-    cut = torch.nonzero((rank.diff() != 0) | (file.diff() != 0)).flatten().add(1).tolist() if res.n else []
-    starts, ranks, files = [0] + cut, rank.tolist(), file.tolist()
-    for a, b in zip(starts, cut + [res.n]):
-        if b > a:
-            rank_rows[ranks[a]].append((res.files[files[a]], rows[a:b]))
-    n_buckets = bucket_count(res.n)
-    bucket = chunk_buckets(table, n_buckets)[uid]
-    in_bucket = torch.sort(bucket, stable=True)
-    per = torch.bincount(in_bucket.values, minlength=n_buckets).tolist()
-    keys = [(r[0], r[1]) for r in rows]
-    keys = [keys[i] for i in in_bucket.indices.tolist()]
-    bucket_keys, at = [], 0
-    for k in per:
-        bucket_keys.append(keys[at:at + k])
-        at += k
-    return build_prepared({**fields, "format_version": VERSION}, structure_of(sdm), rank_rows,
-                          _template_section(template), storage_meta, bucket_keys, index_body)[0]
-
-
-def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct rows of a non-negative int64 matrix (sorted) and each row's index among
-    them; one integer key per row when they fit (``torch.unique(dim=0)`` is slow)."""
-    n, width = rows.shape
-    if not n or not width:
-        return rows[:1], torch.zeros(n, dtype=torch.int64)
-    radix = [int(rows[:, d].max()) + 1 for d in range(width)]
-    if bool((rows < 0).any()) or math.prod(radix) >= (1 << 62):
-        return torch.unique(rows, dim=0, return_inverse=True)
-    key = rows[:, 0].clone()
-    for d in range(1, width):
-        key = key * radix[d] + rows[:, d]
-    values, inverse = torch.unique(key, return_inverse=True)
-    first = torch.full((values.numel(),), n, dtype=torch.int64).scatter_reduce_(
-        0, inverse, torch.arange(n, dtype=torch.int64), "amin")
-    return rows[first], inverse
-
-
-def chunk_buckets(table: ChunkTable, buckets: int) -> torch.Tensor:
-    """``_sections.key_bucket`` of every chunk's key, by columns. CRC32 is affine in its
-    start value: ``crc(text, seed) == crc(text, 0) ^ crc(zeros, seed) ^ crc(zeros, 0)`` for
-    ``zeros`` of the text's length, so the CRC of each distinct offsets text and one term per
-    (fqn, text length) give every key's."""
-    fids = table.fids()
-    nds = torch.tensor(table.nd, dtype=torch.int64)[fids] if table.n else fids
-    distinct, inverse = distinct_rows(torch.cat([(nds + 1)[:, None], table.offs], dim=1))
-    texts = [("-" if r[0] == 0 else ",".join(map(str, r[1:r[0]]))).encode() for r in distinct.tolist()]
-    text_crc = torch.tensor([zlib.crc32(t) for t in texts], dtype=torch.int64)
-    lengths = sorted({len(t) for t in texts})
-    length_id = torch.tensor([lengths.index(len(t)) for t in texts], dtype=torch.int64)
-    seeds = [zlib.crc32((f + "\x00").encode("utf-8", "surrogatepass")) for f in table.names]
-    shift = torch.tensor([[zlib.crc32(bytes(n), seed) ^ zlib.crc32(bytes(n)) for n in lengths] for seed in seeds],
-                         dtype=torch.int64).reshape(len(seeds), len(lengths))
-    crc = text_crc[inverse] ^ shift[fids, length_id[inverse]]
-    return crc % buckets
+    fids = table.fids()[uid]
+    nd = torch.tensor(table.nd, dtype=torch.int64)[fids] if res.n else fids
+    rows = torch.cat([fids[:, None], nd[:, None], res.offset[order][:, None], res.length[order][:, None],
+                      table.offs[uid], table.sizes[uid]], dim=1)
+    files: list[list[tuple[str, int]]] = [[] for _ in range(res.world)]
+    if res.n:
+        cut = torch.nonzero((rank.diff() != 0) | (file.diff() != 0)).flatten().add(1).tolist()
+        starts, ranks, file_ids = [0] + cut, rank.tolist(), file.tolist()
+        for a, b in zip(starts, cut + [res.n]):
+            files[ranks[a]].append((res.files[file_ids[a]], b - a))
+    return build_prepared({**fields, "format_version": VERSION}, structure_of(sdm),
+                          LayoutColumns(table.names, rows, files), _template_section(template), storage_meta,
+                          index_body)[0]
 
 
 def sorted_rows(*columns: torch.Tensor) -> torch.Tensor:
@@ -270,3 +271,10 @@ def sorted_rows(*columns: torch.Tensor) -> torch.Tensor:
     for col in reversed(columns):  # stable sorts, least significant first
         order = order[torch.sort(col[order], stable=True).indices]
     return order
+
+
+def chunk_buckets(table: ChunkTable, buckets: int) -> torch.Tensor:
+    """``_sections.key_bucket`` of every chunk of ``table``."""
+    fids = table.fids()
+    nds = torch.tensor(table.nd, dtype=torch.int64)[fids] if table.n else fids
+    return column_buckets(table.names, fids, nds, table.offs, buckets)
