@@ -150,15 +150,16 @@ def solosave_rank_specs(structure: list[tuple[str, tuple[int, ...]]], world: int
     return specs
 
 
-def solosave_job(specs: list, directory: str, seq: int = 1) -> Any:
-    """The ``SaveJob`` a rank's session builds for a create save of ``specs``: every item held
-    and staged (tensors at made-up buffer offsets; no buffer: nothing is written here)."""
+def solosave_job(specs: list, directory: str, seq: int = 1, reuse: bool = False) -> Any:
+    """The ``SaveJob`` a rank's session builds for a create save of ``specs`` (``reuse``: for a
+    reuse save, which takes the collective path when its layout drifted): every item held and
+    staged (tensors at made-up buffer offsets; no buffer: nothing is written here)."""
     from solosave._protocol import Mode, SaveJob, StagedItem, StagedSave
 
     planner_data = {s.fqn: ("model", s.fqn[len("model."):]) for s in specs}
-    return SaveJob(seq=seq, directory=directory, mode=Mode.COLLECTIVE,
+    return SaveJob(seq=seq, directory=directory, mode=Mode.REUSE if reuse else Mode.COLLECTIVE,
                    staged=StagedSave(None, 0, tuple(StagedItem(s) for s in specs)),
-                   held=tuple(specs), planner_data=planner_data, make_prepared=True)
+                   held=tuple(specs), planner_data=planner_data, make_prepared=not reuse)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -275,7 +276,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
         held = solosave_rank_specs(structure, world, r)
         specs = [held[i] for i in plan.writes[r]]
         results = solosave_results(specs, r, workers)
-        result_payloads.append(_dumps(WriteReport(None, None, written_columns([s.key for s in held], results))))
+        result_payloads.append(_dumps(WriteReport(written_columns([s.key for s in held], results), None)))
         old_results.append(len(_dumps((results, None))))
         if r in sample_ranks:
             samples[r] = (held, results)
@@ -300,6 +301,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     # The broadcast of that notice: pickled once by the coordinator, unpickled by every rank.
     bcast, out["t_broadcast_pickle"] = _timed(lambda: _dumps(notice))
     out["broadcast_bytes"] = len(bcast)
+    writes = plan.writes
     reports = plan = sdm = notice = None  # free it (a large object)
     _, out["t_broadcast_unpickle"] = _timed(lambda: pickle.loads(bcast))
     bcast = None  # free it (a large object)
@@ -315,9 +317,53 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     out["prepared_file_bytes"] = os.path.getsize(prepared_path)
     measure_load(out, ckpt, md_path, samples, structure, world)
     measure_startup(out, world, workers, prepared_path, made, samples)
+    measure_fallback(out, structure, world, workers, ckpt, prepared_path, writes)  # refreshes the prepared file
     shutil.rmtree(ckpt, ignore_errors=True)
     gc.collect()
     return out
+
+
+def measure_fallback(out: Json, structure: list, world: int, workers: int, ckpt: str, prepared_path: str,
+                     writes: list[list[int]]) -> None:
+    """The drift fallback: a reuse save whose layout drifted on some rank (every rank already
+    wrote its prepared layout) takes the collective path. Every rank's planning payload carries
+    what it wrote (``plan_request`` with pre-written results: the layout the create save gave
+    it) and, on one rank, why it drifted; the coordinator's work is timed as for the create save
+    (unpickling, ``decide``, unpickling the reports of the kept files, ``finish``, which
+    refreshes the prepared file). ``fallback_save_s`` is its total."""
+    from solosave._collective import decide, finish, plan_request, write_assigned
+    from solosave._protocol import Verdict
+
+    payloads, reports, coord_job = [], [], None
+    for r in range(world):
+        held = solosave_rank_specs(structure, world, r)
+        job = solosave_job(held, ckpt, seq=2, reuse=True)
+        kept = solosave_results([held[i] for i in writes[r]], r, workers)
+        payloads.append(_dumps(plan_request(job, kept, ["model.norm.weight: drifted"] if r == world - 1 else [])))
+        if r == 0:
+            coord_job = job
+    engine = coordinator_engine(world, workers, prepared_path)
+    requests, t_plans = _timed(lambda: [pickle.loads(b) for b in payloads])
+    payloads = None  # free it (a large object)
+    (decisions, plan), t_decide = _timed(lambda: decide(coord_job, requests, 0))
+    if decisions[0].verdict is not Verdict.OK or not plan.skip_write:
+        raise RuntimeError(f"the drift fallback did not keep the written files at W={world}: {decisions[0]}")
+    requests = None  # free it (a large object)
+    for r in range(world):  # every rank keeps its files (skip_write): its report is what it wrote
+        held = solosave_rank_specs(structure, world, r)
+        kept = solosave_results([held[i] for i in writes[r]], r, workers)
+        job = solosave_job(held, ckpt, seq=2, reuse=True)
+        reports.append(_dumps(write_assigned(engine, job, decisions[r], kept, defaultdict(float))))
+    decisions = None  # free it (a large object)
+    got, t_reports = _timed(lambda: [pickle.loads(b) for b in reports])
+    reports = None  # free it (a large object)
+    notice, t_finish = _timed(lambda: finish(engine, coord_job, plan, got, defaultdict(float)))
+    if notice.failures or not notice.published or notice.prepared is None:
+        raise RuntimeError(f"the drift fallback failed at W={world}: {notice.failures}")
+    engine.close()
+    out["fallback_t_unpickle_plans"], out["fallback_t_global_plan"] = t_plans, t_decide
+    out["fallback_t_unpickle_results"], out["fallback_t_finish_publish"] = t_reports, t_finish
+    out["fallback_save_s"] = t_plans + t_decide + t_reports + t_finish
 
 
 def measure_load(out: Json, ckpt: str, md_path: str, samples: dict, structure: list, world: int) -> None:
@@ -573,7 +619,8 @@ def scale_steps(cfg: Json) -> int:
 
 
 #: The figures of issue #15, per world size (``python -m benchmarks --json``).
-SUMMARY_FIELDS = ("startup_read_bytes_per_rank", "startup_s_per_rank", "create_save_s", "reuse_publish_s",
+SUMMARY_FIELDS = ("startup_read_bytes_per_rank", "startup_s_per_rank", "create_save_s", "fallback_save_s",
+                  "reuse_publish_s",
                   "load_metadata_s_per_rank", "load_read_bytes_per_rank", "load_full_metadata_s_per_rank",
                   "index_bytes", "reuse_index_write_s", "worker_prepared_bytes",
                   "coordinator_startup_read_bytes", "t_template_once", "t_finish_publish", "metadata_bytes",

@@ -25,10 +25,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from solosave._chunks import validate_chunks
-from solosave._format import METADATA_VERSION, ItemKey, as_key, dtype_from_name
+from solosave._format import METADATA_VERSION, ItemKey, dtype_from_name, item_key
 from solosave._layout import PlanValidationError, check_results_cover, gc_paused, shared_size
 from solosave._packing import unpack_specs
 from solosave._protocol import ItemKind, ItemSpec, PlanRequest, WriteResult
+from solosave._results import ChunkTable, ResultColumns
 
 
 def assign_writers(
@@ -172,8 +173,8 @@ def oracle_plan(requests: Sequence[PlanRequest]) -> tuple[dict, list[list[int]]]
         raise PlanValidationError(f"{len(nobody)} item(s) were staged by no rank")
     prefer: dict[ItemKey, int] = {}
     for r, req in enumerate(requests):
-        for k, *_ in req.prewritten or ():
-            prefer.setdefault(as_key(k), r)
+        for i in req.prewritten.positions if req.prewritten is not None else ():
+            prefer.setdefault(held[r][i].key, r)
     assigned = assign_writers(staged, prefer)
     writes = []
     for r, specs in enumerate(held):
@@ -224,3 +225,31 @@ def build_metadata(state_dict_metadata: Mapping[str, TensorStorageMetadata | Byt
         storage_data[idx] = _StorageInfo(paths.setdefault(rel, rel), off, length)
     return Metadata(state_dict_metadata=dict(state_dict_metadata), planner_data=dict(planner_data or {}),
                     storage_data=storage_data, storage_meta=None, **METADATA_VERSION)
+
+
+def result_columns(table: ChunkTable, sdm: Mapping[str, Any],
+                   results_by_rank: Sequence[Sequence[WriteResult] | None]) -> ResultColumns:
+    """Keyed write results (``results_by_rank[r]``: rank ``r``'s ``(key, file, offset, length)``
+    rows) as the coordinator's ``ResultColumns``, one row at a time: the reference for
+    ``_results.placed_columns``; raises ``PlanValidationError`` like it."""
+    rows = [(item_key(*k), rel, int(off), int(n)) for rs in results_by_rank for k, rel, off, n in rs or ()]
+    problems = check_results_cover(sdm, rows)
+    if problems:
+        raise PlanValidationError("write results do not cover the plan: " + "; ".join(problems[:10]))
+    ids = {}
+    for f, fqn in enumerate(table.names):
+        a, b = table.bounds[f], table.bounds[f + 1]
+        if table.nd[f] < 0:
+            ids[(fqn, None)] = a
+            continue
+        for i, o in enumerate(table.offs[a:b, :table.nd[f]].tolist()):
+            ids[(fqn, tuple(o))] = a + i
+    file_of: dict[str, int] = {}
+    ranks = [r for r, rs in enumerate(results_by_rank) for _ in rs or ()]
+
+    def col(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    return ResultColumns(col([ids[k] for k, *_ in rows]), col(ranks),
+                         col([file_of.setdefault(rel, len(file_of)) for _, rel, _, _ in rows]),
+                         col([r[2] for r in rows]), col([r[3] for r in rows]), list(file_of), len(results_by_rank))

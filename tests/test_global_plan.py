@@ -9,7 +9,7 @@ import pytest
 from oracle import oracle_plan
 from solosave._global_plan import global_plan
 from solosave._layout import PlanValidationError
-from solosave._packing import narrow, pack_specs
+from solosave._packing import narrow, pack_specs, written_columns
 from solosave._protocol import ItemKind, ItemSpec, PlanRequest, save_identity
 
 
@@ -21,7 +21,8 @@ def _requests(per_rank_specs, staged=None, prewritten=None):
             keys = {s.key for s in staged[r]}
             positions = narrow(array("q", [i for i, s in enumerate(specs) if s.key in keys]))
         out.append(PlanRequest(save_identity(1, "d"), pack_specs(specs), positions,
-                               {s.fqn: (s.fqn,) for s in specs}, prewritten[r] if prewritten else None, []))
+                               {s.fqn: (s.fqn,) for s in specs},
+                               written_columns([s.key for s in specs], prewritten[r]) if prewritten else None, []))
     return out
 
 

@@ -98,9 +98,10 @@ def test_build_metadata_shares_keys_with_chunks():
 
 
 def test_results_that_do_not_cover_the_plan_are_refused():
-    """The coordinator's check before it builds ``.metadata`` (``_results.result_columns``; the
+    """The coordinator's check before it builds ``.metadata`` (``_results.placed_columns``, here its keyed reference; the
     oracle's ``finish_metadata`` refuses the same)."""
-    from solosave._results import ChunkTable, result_columns
+    from oracle import result_columns
+    from solosave._results import ChunkTable
 
     specs = [ItemSpec("w", ItemKind.TENSOR, (r * 2,), (2,), (8,), "float32", 8) for r in range(4)]
     sdm = build_state_dict_metadata(specs)

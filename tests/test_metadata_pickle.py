@@ -16,13 +16,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from oracle import build_metadata
+from oracle import build_metadata, result_columns
 from solosave._buckets import key_bucket
 from solosave._convert import prepared_from_results
 from solosave._layout import PlanValidationError
 from solosave._metadata_pickle import metadata_template
 from solosave._publish import MetadataTemplate
-from solosave._results import ChunkTable, chunk_buckets, prepared_from_columns, result_columns
+from solosave._results import ChunkTable, chunk_buckets, prepared_from_columns
 from solosave._safe_pickle import safe_loads
 from solosave._sections import SectionReader
 from solosave._sources import BytesSource

@@ -44,7 +44,7 @@ from ._protocol import (
     WriteReport,
     WriteResult,
 )
-from ._results import ChunkTable, placed_columns, prepared_from_columns, result_columns
+from ._results import ChunkTable, placed_columns, prepared_from_columns
 from ._sections import SectionReader
 from ._sources import BytesSource
 from ._status import same_save
@@ -100,7 +100,8 @@ def plan_request(job: SaveJob, prewritten: list[WriteResult] | None, drifts: lis
         if len(staged) != len(held) or any(s.key not in staged for s in held):
             pos = {s.key: i for i, s in enumerate(held)}
             positions = narrow(array("q", sorted(pos[k] for k in staged)))
-        return PlanRequest(job.identity, pack_specs(held), positions, job.planner_data, prewritten, list(drifts))
+        kept = written_columns([s.key for s in held], prewritten) if prewritten is not None else None
+        return PlanRequest(job.identity, pack_specs(held), positions, job.planner_data, kept, list(drifts))
     except Exception as e:  # noqa: BLE001 - reported to every rank by the coordinator
         return PlanRequest(job.identity, empty, None, {}, None, [], f"planning failed: {describe(e)}")
 
@@ -129,7 +130,7 @@ def write_assigned(engine: Engine, job: SaveJob, mine: PlanDecision, prewritten:
                    timings: dict[str, float]) -> WriteReport:
     """Write the items the coordinator assigned to this rank (or keep a fallback's files)."""
     if mine.skip_write:
-        return WriteReport(prewritten, None)
+        return WriteReport(written_columns([s.key for s in job.held], prewritten or []), None)
     try:
         staged = {it.spec.key: it for it in job.staged.items}
         positions = range(len(job.held)) if mine.writes is None else mine.writes
@@ -140,7 +141,7 @@ def write_assigned(engine: Engine, job: SaveJob, mine: PlanDecision, prewritten:
             pad.update({s.key: bytes_slot(len(staged[s.key].payload)) for s in bucket
                         if staged[s.key].payload is not None})
         rows = engine.write(job, files, pad, timings)
-        return WriteReport(None, None, written_columns([s.key for s in job.held], rows))
+        return WriteReport(written_columns([s.key for s in job.held], rows), None)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         return WriteReport(None, describe(e))
 
@@ -158,11 +159,8 @@ def finish(engine: Engine, job: SaveJob, plan: GlobalPlan, reports: list[WriteRe
         engine.made_template = prepared = None
         with gc_paused():  # columns, not objects: see _results and _metadata_pickle
             table = plan.chunks or ChunkTable.from_metadata(sdm)
-            if plan.held_chunks is not None and all(rep.columns is not None for rep in reports):
-                results = placed_columns(table, plan.held_chunks, plan.held_counts or [],
-                                         [rep.columns for rep in reports])
-            else:  # the files a reuse fallback kept: keyed rows
-                results = result_columns(table, sdm, [rep.results for rep in reports])
+            results = placed_columns(table, plan.held_chunks, plan.held_counts,
+                                     [rep.columns for rep in reports])  # type: ignore[misc]
             template = metadata_template(sdm, plan.planner_data, table, results)
             data = template.render(os.fspath(job.directory), save_id)
             index_body = body_from_columns(sdm, plan.planner_data, table, results)

@@ -38,9 +38,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ._chunks import VECTOR_MIN, sweep_chunks, tiles_along_one_dim, validate_chunks
-from ._format import ItemKey, as_key, dtype_from_name
+from ._format import dtype_from_name
 from ._layout import SDM, PlanValidationError, gc_paused, shared_size
-from ._packing import unpack_specs
 from ._protocol import ItemKind, PlanRequest
 from ._results import ChunkTable, int_column
 
@@ -309,13 +308,18 @@ def _staged_items(requests: Sequence[PlanRequest], c: _Cols, u: _Unique
 
 # -- phase 6 -----------------------------------------------------------------------------------
 
-def _prefer(requests: Sequence[PlanRequest]) -> dict[ItemKey, int]:
-    """Reuse fallback: the rank that already wrote each item."""
-    out: dict[ItemKey, int] = {}
-    for r, req in enumerate(requests):
-        for k, *_ in req.prewritten or ():
-            out.setdefault(as_key(k), r)
-    return out
+def _prefer(requests: Sequence[PlanRequest], c: _Cols, u: _Unique) -> torch.Tensor | None:
+    """Reuse fallback: per item, the lowest rank that already wrote it (-1: none); ``None``
+    when no rank pre-wrote anything."""
+    kept = [(r, req.prewritten.positions) for r, req in enumerate(requests) if req.prewritten is not None]
+    if not any(len(pos) for _, pos in kept):
+        return None
+    start = torch.tensor([0, *c.counts], dtype=torch.int64).cumsum(0)
+    rows = torch.cat([start[r] + int_column([pos]) for r, pos in kept])
+    ranks = torch.cat([torch.full((len(pos),), r, dtype=torch.int64) for r, pos in kept])
+    if bool(((rows < start[ranks]) | (rows >= start[ranks + 1])).any()):
+        raise PlanValidationError("internal: a rank reported a pre-written item it does not hold")
+    return torch.full((u.n,), c.world, dtype=torch.int64).scatter_reduce_(0, u.inv[rows], ranks, "amin")
 
 
 def _assign_writers(requests: Sequence[PlanRequest], c: _Cols, fq: _Fqns, u: _Unique, st_rank: torch.Tensor,
@@ -338,37 +342,24 @@ def _assign_writers(requests: Sequence[PlanRequest], c: _Cols, fq: _Fqns, u: _Un
     name_rank = {f: j for j, f in enumerate(sorted(c.names))}
     by_name = torch.tensor([name_rank[f] for f in c.names], dtype=torch.int64)[u.fid[uids]].tolist()
     uid_list, neg_nb, wl = uids.tolist(), (-u.nbytes[uids]).tolist(), weight[uids].tolist()
-    prefer = _prefer(requests)
-    keys = _item_keys(c, fq, u, uids) if prefer else None
+    prefer = _prefer(requests, c, u)
+    first = prefer[uids].tolist() if prefer is not None else [c.world] * len(uid_list)
     own = [0] * len(uid_list)
     for j in sorted(range(len(uid_list)), key=lambda j: (neg_nb[j], by_name[j], uid_list[j])):
         hs = groups[j]
-        p = prefer.get(keys[j]) if keys is not None else None
-        r = p if p is not None and p in hs else min(hs, key=lambda x: (load[x], x))
+        p = first[j]
+        r = p if p in hs else min(hs, key=lambda x: (load[x], x))
         own[j] = r
         load[r] += wl[j]
     owner[uids] = torch.tensor(own, dtype=torch.int64)
     return owner
 
 
-def _item_keys(c: _Cols, fq: _Fqns, u: _Unique, uids: torch.Tensor) -> list[ItemKey]:
-    """The ``ItemKey`` of each item id in ``uids``."""
-    out: list[ItemKey] = []
-    for f, o in zip(u.fid[uids].tolist(), u.offs[uids].tolist()):
-        nd = fq.nd[f]
-        out.append((c.names[f], tuple(o[:nd]) if nd >= 0 else None))
-    return out
-
-
 def _prewritten_fit(requests: Sequence[PlanRequest], writes: list[list[int]]) -> bool:
     """Every rank pre-wrote (reuse fallback) exactly the items now assigned to it."""
     if not requests or any(req.prewritten is None for req in requests):
         return False
-    for req, mine in zip(requests, writes):
-        held = unpack_specs(req.specs)
-        if {as_key(k) for k, *_ in req.prewritten} != {held[i].key for i in mine}:
-            return False
-    return True
+    return all(sorted(req.prewritten.positions) == mine for req, mine in zip(requests, writes))
 
 
 # -- phase 7 -----------------------------------------------------------------------------------

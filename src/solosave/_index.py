@@ -86,7 +86,7 @@ class IndexStale(IndexUnusable):
 def body_from_columns(sdm: Mapping[str, Any], planner_data: Mapping[str, Any] | None, table: ChunkTable,
                       res: ResultColumns) -> bytes:
     """The body of the index of a collective save, from the columns ``finish`` already has:
-    ``res`` covers every chunk of ``table`` exactly once (``_results.result_columns``)."""
+    ``res`` covers every chunk of ``table`` exactly once (``_results.placed_columns``)."""
     n = table.n
     cfile = np.zeros(n, np.int64)
     coff = np.zeros(n, np.int64)

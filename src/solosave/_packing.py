@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from array import array
 
-from ._format import ItemKey, item_key
+from ._format import ItemKey
 from ._protocol import ItemKind, ItemSpec, PackedSpecs, WriteResult, WrittenColumns
 
 
@@ -75,11 +75,6 @@ def unpack_specs(packed: PackedSpecs) -> list[ItemSpec]:
         out.append(ItemSpec(fqn, kind_of[packed.kinds[i]], o, z, g,
                             packed.dtype_table[packed.dtype_index[i]], packed.nbytes[i]))
     return out
-
-
-def result_keys(rows: list | None) -> list[WriteResult]:
-    """Write result rows with their keys normalised (after pickling)."""
-    return [(item_key(*k), rel, int(off), int(n)) for k, rel, off, n in rows or ()]
 
 
 def written_columns(held: list[ItemKey], rows: list[WriteResult]) -> WrittenColumns:

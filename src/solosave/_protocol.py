@@ -308,6 +308,20 @@ class WorkerMessage(NamedTuple):
 # Rank <-> rank (collective path)
 # ---------------------------------------------------------------------------------------------
 
+class WrittenColumns(NamedTuple):
+    """A rank's fresh write results as columns: row ``i`` is the item at position
+    ``positions[i]`` of its held list (the list it sent in :class:`PlanRequest`), written to
+    ``files[file[i]]`` at ``offset[i]``, ``length[i]`` bytes. The coordinator knows every held
+    item's chunk from the plan, so it matches rows to chunks by position, with no key per row
+    (issue 15: 800k keyed rows at W=4096 took seconds to unpickle and match)."""
+
+    positions: array
+    files: list[str]
+    file: array
+    offset: array
+    length: array
+
+
 class PackedSpecs(NamedTuple):
     """One rank's items in columnar form (see :func:`pack_specs`)."""
 
@@ -327,7 +341,7 @@ class PlanRequest(NamedTuple):
     specs: PackedSpecs             #: every item this rank holds
     staged: array | None           #: positions in ``specs`` of the items it staged; None: all
     planner_data: dict             #: DCP's flatten mapping
-    prewritten: list | None        #: reuse fallback: the ``WriteResult`` rows it already wrote
+    prewritten: WrittenColumns | None  #: reuse fallback: what it already wrote (held positions)
     drifts: list[str]              #: reuse fallback: why its layout drifted
     error: str | None = None       #: this rank cannot take part in this save (and why)
 
@@ -355,40 +369,23 @@ def _pd(verdict: str, *fields: Any) -> PlanDecision:
     return PlanDecision(Verdict(verdict), *fields)
 
 
-class WrittenColumns(NamedTuple):
-    """A rank's fresh write results as columns: row ``i`` is the item at position
-    ``positions[i]`` of its held list (the list it sent in :class:`PlanRequest`), written to
-    ``files[file[i]]`` at ``offset[i]``, ``length[i]`` bytes. The coordinator knows every held
-    item's chunk from the plan, so it matches rows to chunks by position, with no key per row
-    (issue 15: 800k keyed rows at W=4096 took seconds to unpickle and match)."""
-
-    positions: array
-    files: list[str]
-    file: array
-    offset: array
-    length: array
-
-
 class WriteReport(NamedTuple):
-    """A rank's write results (or its error) for the second gather: fresh writes as
-    ``columns``; the files a reuse fallback kept (``skip_write``) as keyed ``results`` rows."""
+    """A rank's write results (or its error) for the second gather: what it wrote, or what a
+    reuse fallback kept (``skip_write``)."""
 
-    results: list[WriteResult] | None
+    columns: WrittenColumns | None
     error: str | None
-    columns: WrittenColumns | None = None
 
     def __reduce__(self) -> tuple:  # a short global instead of the class: gathered from every rank
-        return (_wr, (self.results, self.error, self.columns))
+        return (_wr, (self.columns, self.error))
 
     @property
     def bytes_written(self) -> int:
-        if self.columns is not None:
-            return sum(self.columns.length)
-        return sum(r[3] for r in self.results or ())
+        return sum(self.columns.length) if self.columns is not None else 0
 
 
-def _wr(results: list[WriteResult] | None, error: str | None, columns: WrittenColumns | None = None) -> WriteReport:
-    return WriteReport(results, error, columns)
+def _wr(columns: WrittenColumns | None, error: str | None) -> WriteReport:
+    return WriteReport(columns, error)
 
 
 class FinishNotice(NamedTuple):

@@ -5,27 +5,25 @@ each into normalised key tuples, a set and a dict of ``MetadataIndex``/``_Storag
 took most of ``finish`` (issue 15). Here the rows are matched to the plan's chunks with array
 operations instead: :class:`ChunkTable` is the plan's chunks as columns (made by
 ``_global_plan`` from its own columns, or from a ``state_dict_metadata``), and
-:func:`result_columns` gives every result row the id of its chunk and checks that the results
-cover the plan exactly once. ``_metadata_pickle`` and ``_sections`` build the ``.metadata``
-pickle and the prepared file from these columns.
+:func:`placed_columns` gives every result row the id of its chunk (through the held positions
+ranks report, ``WrittenColumns``) and checks that the results cover the plan exactly once.
+``_metadata_pickle`` and ``_sections`` build the ``.metadata`` pickle and the prepared file
+from these columns.
 """
 
 from __future__ import annotations
 
-import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ._buckets import column_buckets
-from ._layout import PlanValidationError, check_results_cover
-from ._packing import result_keys
-from ._protocol import WriteResult, WrittenColumns
+from ._layout import PlanValidationError
+from ._protocol import WrittenColumns
 from ._publish import MetadataTemplate
 from ._sections import VERSION, LayoutColumns, _file_order, _template_section, build_prepared, structure_of
 
@@ -94,35 +92,6 @@ class ResultColumns:
         return int(self.uid.numel())
 
 
-def _int_column(values: Sequence[int]) -> torch.Tensor:
-    if not values:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.frombuffer(bytearray(array("q", values)), dtype=torch.int64)
-
-
-def result_columns(table: ChunkTable, sdm: Mapping[str, object],
-                   results_by_rank: Sequence[Sequence[WriteResult] | None]) -> ResultColumns:
-    """Every rank's ``(key, file, offset, length)`` rows as columns matched to ``table``;
-    raises :class:`PlanValidationError` (naming the items) unless every chunk of the plan has
-    exactly one row and every row is a chunk of the plan."""
-    counts = [len(rows or ()) for rows in results_by_rank]
-    rows = [row for rs in results_by_rank for row in rs or ()]
-    if rows:
-        keys, rels, offsets, lengths = zip(*rows)
-        fqns, chunk_offs = zip(*keys)
-    else:
-        rels = offsets = lengths = fqns = chunk_offs = ()
-    file_of: dict[str, int] = {}
-    file = [file_of.setdefault(rel, len(file_of)) for rel in rels]
-    uid = _match(table, fqns, chunk_offs)
-    if uid is None:
-        uid = _match_slowly(table, sdm, rows)
-    return ResultColumns(uid, torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64),
-                                                      torch.tensor(counts, dtype=torch.int64)),
-                         _int_column(file), _int_column(offsets), _int_column(lengths), list(file_of),
-                         len(counts))
-
-
 def int_column(arrays: Iterable[array]) -> torch.Tensor:
     """Integer ``array`` objects (typecodes ``b``, ``h``, ``i``, ``l``, ``q``) concatenated into
     one int64 tensor."""
@@ -174,70 +143,6 @@ def _key_text(table: ChunkTable, uid: int) -> str:
     if table.nd[f] < 0:
         return repr(table.names[f])
     return f"{table.names[f]!r} chunk at offsets {tuple(table.offs[uid, :table.nd[f]].tolist())}"
-
-
-def _match(table: ChunkTable, fqns: Sequence[str], offsets: Sequence) -> torch.Tensor | None:
-    """The chunk id of each row, by array operations; ``None`` when a row does not match
-    exactly one chunk, the coverage is not exact, or the keys do not fit in int64."""
-    n, nc = len(fqns), table.n
-    fid_of = {f: i for i, f in enumerate(table.names)}
-    fid = torch.tensor([fid_of.get(f, -1) for f in fqns], dtype=torch.int64)
-    nds = torch.tensor([-1 if o is None else len(o) for o in offsets], dtype=torch.int64)
-    table_nd = torch.tensor(table.nd, dtype=torch.int64)
-    if n != nc or (n and (bool((fid < 0).any()) or bool((nds != table_nd[fid]).any()))):
-        return None
-    if not n:
-        return fid
-    flat = _int_column(list(chain.from_iterable(o for o in offsets if o is not None)))
-    rows = pad_rows(nds, flat, table.offs.shape[1])
-    if bool((rows < 0).any()) or bool((table.offs < 0).any()):
-        return None
-    width = table.offs.shape[1]
-    radix = [max(int(table.offs[:, d].max()), int(rows[:, d].max())) + 1 for d in range(width)]
-    if math.prod(radix) * max(len(table.names), 1) >= (1 << 62):
-        return None
-    row_key, chunk_key = fid.clone(), table.fids()
-    for d in range(width):
-        row_key = row_key * radix[d] + rows[:, d]
-        chunk_key = chunk_key * radix[d] + table.offs[:, d]
-    sorted_keys, order = torch.sort(chunk_key)
-    pos = torch.searchsorted(sorted_keys, row_key).clamp_(max=nc - 1)
-    if not bool((sorted_keys[pos] == row_key).all()):
-        return None
-    uid = order[pos]
-    if not bool((torch.bincount(uid, minlength=nc) == 1).all()):
-        return None
-    return uid
-
-
-def pad_rows(nds: torch.Tensor, flat: torch.Tensor, width: int) -> torch.Tensor:
-    """Rows of ``nds[i]`` values each (none for a negative count), concatenated in ``flat``, as
-    a zero-padded ``(rows, width)`` tensor."""
-    n = nds.numel()
-    w = torch.clamp(nds, min=0)
-    starts = torch.cumsum(w, 0) - w
-    col = torch.arange(width, dtype=torch.int64)[None, :]
-    values = torch.cat([flat, flat.new_zeros(1)])
-    at = torch.where(col < w[:, None], starts[:, None] + col, flat.numel())
-    return values[at] if n else torch.zeros((0, width), dtype=torch.int64)
-
-
-def _match_slowly(table: ChunkTable, sdm: Mapping[str, object], rows: list) -> torch.Tensor:
-    """The per-row path: the problems named by ``check_results_cover``, or the chunk ids by a
-    dict (keys too large for the array path)."""
-    keyed = result_keys(rows)
-    problems = check_results_cover(sdm, keyed)
-    if problems:
-        raise PlanValidationError("write results do not cover the plan: " + "; ".join(problems[:10]))
-    ids = {}
-    for f, fqn in enumerate(table.names):
-        a, b = table.bounds[f], table.bounds[f + 1]
-        if table.nd[f] < 0:
-            ids[(fqn, None)] = a
-            continue
-        for i, o in enumerate(table.offs[a:b, :table.nd[f]].tolist()):
-            ids[(fqn, tuple(o))] = a + i
-    return torch.tensor([ids[k] for k, *_ in keyed], dtype=torch.int64)
 
 
 def prepared_from_columns(sdm: Mapping[str, object], table: ChunkTable, res: ResultColumns,
