@@ -459,7 +459,7 @@ def measure_startup(out: Json, world: int, workers: int, prepared_path: str, mad
         save_id = str(uuid.uuid4())
         _, t = _timed(lambda s=save_id: index.write(reuse_dir, index.render(body, tpl, reuse_dir, s), fsync=True))
         idx_writes.append(t)
-        _, t = _timed(lambda s=save_id: publish_metadata(reuse_dir, tpl.render(reuse_dir, s), fsync=True))
+        _, t = _timed(lambda s=save_id: publish_metadata(reuse_dir, tpl.render_parts(reuse_dir, s), fsync=True))
         pubs.append(t)
     out["reuse_index_write_s"] = statistics.median(idx_writes)
     shutil.rmtree(reuse_dir, ignore_errors=True)

@@ -162,7 +162,7 @@ def finish(engine: Engine, job: SaveJob, plan: GlobalPlan, reports: list[WriteRe
             results = placed_columns(table, plan.held_chunks, plan.held_counts,
                                      [rep.columns for rep in reports])  # type: ignore[misc]
             template = metadata_template(sdm, plan.planner_data, table, results)
-            data = template.render(os.fspath(job.directory), save_id)
+            data = template.render_parts(os.fspath(job.directory), save_id)
             index_body = body_from_columns(sdm, plan.planner_data, table, results)
             blob = None
             if job.make_prepared or job.mode is Mode.REUSE:

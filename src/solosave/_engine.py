@@ -37,7 +37,7 @@ import time
 import traceback
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _index as index
@@ -172,7 +172,7 @@ class Engine:
                                  "loads of this checkpoint read the whole .metadata")
         timings["publish"] += time.perf_counter() - t0
 
-    def publish(self, job: SaveJob, data: bytes, timings: dict[str, float]) -> None:
+    def publish(self, job: SaveJob, data: bytes | Sequence[bytes], timings: dict[str, float]) -> None:
         """Coordinator: write ``.metadata`` last, atomically."""
         t0 = time.perf_counter()
         publish_metadata(job.directory, data, fsync=self.writer.fsync,
@@ -267,7 +267,7 @@ class Engine:
         error = None
         if ch.is_coordinator:
             try:
-                self.publish(job, prepared.template.render(os.fspath(job.directory), save_id), timings)
+                self.publish(job, prepared.template.render_parts(os.fspath(job.directory), save_id), timings)
             except Exception as e:  # noqa: BLE001 - reported to every rank through the receipt
                 error = f"publishing failed: {describe(e)}"
             ch.post_receipt(job.seq, error)

@@ -18,7 +18,7 @@ import os
 import pickle
 import struct
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -79,12 +79,17 @@ class MetadataTemplate:
         return self._parts
 
     def render(self, checkpoint_id: str, save_id: str | None = None) -> bytes:
+        return b"".join(self.render_parts(checkpoint_id, save_id))
+
+    def render_parts(self, checkpoint_id: str, save_id: str | None = None) -> tuple[bytes, ...]:
+        """:meth:`render` as pieces to write one after the other: publishing writes them
+        without joining them first (at W=4096 the pickle is 100 MiB; the join took 0.2 s)."""
         p0, p1, p2 = self._parts
-        return b"".join((p0, pickled_str(str(checkpoint_id)), p1,
-                         pickled_str(save_id or str(uuid.uuid4())), p2))
+        return (p0, pickled_str(str(checkpoint_id)), p1, pickled_str(save_id or str(uuid.uuid4())), p2)
 
 
-def publish_metadata(directory: str | os.PathLike, data: bytes, fsync: bool = True,
+def publish_metadata(directory: str | os.PathLike, data: bytes | Sequence[bytes], fsync: bool = True,
                      storage_options: Mapping[str, Any] | None = None) -> None:
-    """Write ``directory/.metadata`` atomically (see the module docstring)."""
+    """Write ``directory/.metadata`` atomically (see the module docstring); ``data``: its bytes,
+    or pieces of them in order (:meth:`MetadataTemplate.render_parts`)."""
     storage_for(directory, storage_options).commit(join(directory, METADATA_FILE), data, fsync=fsync)

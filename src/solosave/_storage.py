@@ -29,7 +29,7 @@ import posixpath
 import re
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -100,14 +100,15 @@ def pread_all(fd: int, offset: int, length: int) -> bytes:
     return b"".join(parts)
 
 
-def atomic_write(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
-    """Replace the local file ``path`` with ``data`` atomically (temp file, fsync, rename,
-    fsync directory): the commit primitive of :class:`LocalStorage`."""
+def atomic_write(path: str | os.PathLike, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
+    """Replace the local file ``path`` with ``data`` (bytes, or pieces of them in order)
+    atomically (temp file, fsync, rename, fsync directory): the commit primitive of
+    :class:`LocalStorage`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            f.writelines([data] if isinstance(data, (bytes, bytearray, memoryview)) else data)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
@@ -157,7 +158,7 @@ class LocalStorage:
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
-    def commit(self, path: str, data: bytes, fsync: bool = True) -> None:
+    def commit(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
         atomic_write(path, data, fsync=fsync)
 
     def remove(self, path: str) -> None:
@@ -241,9 +242,11 @@ class FsspecStorage:
             with self._errors(path):
                 self.fs.makedirs(path, exist_ok=True)
 
-    def commit(self, path: str, data: bytes, fsync: bool = True) -> None:
-        """Replace ``path`` by ``data`` at once: one PUT on an object store; elsewhere a
-        temporary file renamed over it."""
+    def commit(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
+        """Replace ``path`` by ``data`` (bytes, or pieces of them in order) at once: one PUT on
+        an object store; elsewhere a temporary file renamed over it."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            data = b"".join(data)
         with self._errors(path):
             if self.object_store:
                 self.fs.pipe_file(path, data)
