@@ -145,4 +145,18 @@ def index_loads(rank: int, ws: int, root: str) -> dict:
                     solosave.load(got, os.path.join(root, name), use_index=False)
             ok = all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES)
             out[f"{name}/{use_index}"] = (ok and torch.equal(got["p"], want["p"]) and got["step"] == 41, list(calls))
+    # The last rank cannot use the index (unusable there only): the others have loaded through it
+    # already; every rank then takes the .metadata path, which only that rank loads from.
+    got = _state(ws, LOAD_DIM, {k: torch.zeros_like(v) for k, v in want.items()}, 0)
+    calls.clear()
+    refuse = mock.patch.object(sl.LoadIndex, "open", side_effect=sl.IndexUnusable("refused in this test"))
+    with mock.patch.object(dist, "all_reduce", count("all_reduce", real_ar)), \
+            mock.patch.object(dist, "broadcast_object_list", count("broadcast", real_bc)):
+        if rank == ws - 1:
+            with refuse:
+                solosave.load(got, os.path.join(root, "c1"))
+        else:
+            solosave.load(got, os.path.join(root, "c1"))
+    ok = all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES)
+    out["mixed"] = (ok and torch.equal(got["p"], want["p"]) and got["step"] == 41, list(calls))
     return out

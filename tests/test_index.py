@@ -156,8 +156,13 @@ def test_solosave_load_uses_only_the_index_of_create_and_reuse_saves(tmp_path, w
         for name in ("c0", "c1"):
             ok, calls = out[f"{name}/True"]
             assert ok, (rank, name)
-            assert calls == ["all_reduce", "all_reduce"], calls  # agree to use it, agree on the result
+            assert calls == ["all_reduce"], calls  # agree on the result and that every rank used it
             ok, calls = out[f"{name}/False"]
             assert ok and calls == ["broadcast", "all_reduce"], calls
+        ok, calls = out["mixed"]
+        assert ok and calls == ["all_reduce", "broadcast", "all_reduce"], (rank, calls)
     case_log(f"W={ws}: create and reuse saves, loaded along other dimensions",
-             ".metadata never parsed; one 8-byte all_reduce more, no broadcast; bit-exact")
+             ".metadata never parsed; one 8-byte all_reduce, no broadcast; bit-exact")
+    case_log(f"W={ws}: the last rank cannot use the load index, the others can",
+             "the others load through it; every rank then takes the .metadata broadcast, only the last "
+             "rank loads from it; bit-exact")

@@ -204,12 +204,19 @@ class DistChannel(Channel):
         self._record("all_reduce", t.numel() * t.element_size(), t0)
         return int(t.item())
 
-    def all_true(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on every rank: one 8-byte ``all_reduce`` on gloo, an
-        ``all_gather_object`` of one bool on other backends (no device tensor needed)."""
+    def all_and(self, value: int) -> int:
+        """The bitwise AND of ``value`` over every rank: one 8-byte ``all_reduce`` on gloo, an
+        ``all_gather_object`` of one int on other backends (no device tensor needed)."""
         if _is_gloo(self.group):
-            return self.all_reduce_and(int(flag)) == 1
-        return all(self.all_gather_object(bool(flag)))
+            return self.all_reduce_and(int(value))
+        out = -1
+        for v in self.all_gather_object(int(value)):
+            out &= int(v)
+        return out
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (:meth:`all_and` of one bit)."""
+        return self.all_and(int(bool(flag))) == 1
 
     def post_receipt(self, seq: int, error: str | None) -> None:
         store = self._need_store()

@@ -1,8 +1,13 @@
 """Loading: DCP's load, with ``.metadata`` read once per process group and unpickled through
 the allowlist, local planning, and solosave's own read path.
 
-Who calls what (every rank of ``process_group``, when torch.distributed is initialised):
-:func:`load` -> the coordinator (group rank 0) reads ``.metadata`` from storage and broadcasts
+Who calls what (every rank of ``process_group``, when torch.distributed is initialised), for
+a checkpoint with a load index (solosave's own, local): :func:`load` -> every rank opens the
+index, builds the ``Metadata`` of its own shards from it and loads them (:func:`_load_local`)
+-> one 8-byte ``all_reduce`` whose two bits say whether every rank loaded and whether every
+rank had a usable index; only if a rank failed, an ``all_gather_object`` of the errors; only if
+a rank had no usable index, the ``.metadata`` path below for the ranks that did not load. For
+any other checkpoint: :func:`load` -> the coordinator (group rank 0) reads ``.metadata`` from storage and broadcasts
 its bytes (or the reason it could not) in one ``broadcast_object_list`` through
 :class:`~solosave._coordinate.Channel` -> every rank unpickles them (allowlisted), so storage
 sees one read of ``.metadata`` per load instead of one per rank (at W=4096 that file is about
@@ -36,7 +41,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.futures import Future
 
-from ._coordinate import DistChannel, _is_gloo
+from ._coordinate import DistChannel
 from ._errors import CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError
 from ._format import METADATA_FILE, check_ranges
 from ._layout import gc_paused
@@ -233,9 +238,12 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     With ``use_index`` (the default), a local checkpoint that solosave wrote is loaded through its
     load index (``.solosave-index``, :mod:`solosave._index`): each rank reads the entries its
     own shards need instead of the whole ``.metadata``, whose size grows with the world size
-    the checkpoint was saved at; it costs one more 8-byte ``all_reduce`` (every rank agrees to
-    use it). A checkpoint without one (stock DCP's, or a URL) or with a stale or damaged one
-    is loaded from ``.metadata`` (the latter with a logged warning).
+    the checkpoint was saved at, and loads at once; the one 8-byte ``all_reduce`` after the
+    load then also says whether every rank could use its index (no ``.metadata`` broadcast,
+    no other collective). A checkpoint without one (stock DCP's, or a URL) or with a stale or
+    damaged one is loaded from ``.metadata`` (the latter with a logged warning); if only some
+    ranks could use the index, the others then load from ``.metadata`` (one more broadcast and
+    ``all_reduce``).
 
     ``path`` may be a URL (``s3://bucket/run/iter_0000100``; ``pip install 'solosave[s3]'``),
     with ``storage_options`` handed to its fsspec filesystem; its records are read by DCP's read
@@ -246,33 +254,74 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     if planner is None:
         planner = SafeLoadPlanner(safe_globals)
     local = not distributed or _plans_locally(planner)
-    idx = None
+    rank = dist.get_rank(process_group) if distributed else 0
+    loaded = False
     if use_index and local and not is_url(path) and _index_planner(planner):
-        idx = _open_index(path)
-        if distributed and not DistChannel(process_group).all_true(idx is not None):
-            idx = _closed(idx)  # some rank cannot use it: every rank reads .metadata
-    try:
-        if idx is None:
-            # Read and parse before DCP's load: DCP would swallow a reader's error into its own
-            # "metadata is None" AssertionError when it falls back to per-rank metadata.
-            data = (_share_metadata(path, process_group, storage_options) if distributed and read_metadata_once
-                    else read_metadata_bytes(path, storage_options))
-            reader.metadata = parse_metadata(data, path)
-        if not local:
-            _dcp_load(state_dict, reader, planner, process_group)
+        loaded = _via_index(state_dict, path, reader, planner, rank, process_group, distributed)
+        if loaded is None:
             return
-        error: Exception | None = None
+    error: Exception | None = None
+    if not local:
+        reader.metadata = _metadata(path, distributed and read_metadata_once, process_group, storage_options)
+        _dcp_load(state_dict, reader, planner, process_group)
+        return
+    try:
+        if not loaded or distributed and read_metadata_once:  # the broadcast is a collective
+            reader.metadata = _metadata(path, distributed and read_metadata_once, process_group, storage_options)
+        if not loaded:
+            error = _local(state_dict, reader, planner, rank, None)
+    except Exception as e:  # noqa: BLE001 - every rank learns it below, then raises it
+        error = e
+    if distributed:
+        error = _agree(error, process_group)
+    if error is not None:
+        raise error
+
+
+def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: SafeFileSystemReader, planner: Any,
+               rank: int, process_group: Any, distributed: bool) -> bool | None:
+    """Load through this rank's load index, if it has a usable one, then agree: ``None`` when
+    the load is complete on every rank; otherwise whether this rank loaded (some rank had no
+    usable index: the ``.metadata`` path follows on every rank). Raises the agreed error."""
+    error: Exception | None = None
+    loaded = False
+    idx = _open_index(path)
+    if idx is not None:
         try:
-            with gc_paused():
-                _load_local(state_dict, reader, planner, dist.get_rank(process_group) if distributed else 0, idx)
-        except Exception as e:  # noqa: BLE001 - every rank learns it below, then raises it
-            error = e
-        if distributed:
-            error = _agree(error, process_group)
+            error, loaded = _local(state_dict, reader, planner, rank, idx), True
+        finally:
+            _closed(idx)
+    if not distributed:
         if error is not None:
             raise error
-    finally:
-        _closed(idx)
+        return None if loaded else False
+    # One agreement for both questions: did every rank load, and did every rank have a usable
+    # index? Bit 0: no error here; bit 1: loaded through the index.
+    both = DistChannel(process_group).all_and(int(error is None) | int(loaded) << 1)
+    if not both & 1:
+        error = _agree(error, process_group, known_failed=True)
+        raise error if error is not None else RuntimeError("internal: a rank failed to load and reported no error")
+    return None if both & 2 else loaded
+
+
+def _metadata(path: str | os.PathLike, once: bool, process_group: Any,
+              storage_options: Mapping[str, Any] | None) -> Metadata:
+    """``.metadata``, read and parsed before DCP's load (DCP would swallow a reader's error into
+    its own "metadata is None" AssertionError when it falls back to per-rank metadata); with
+    ``once``, read by group rank 0 and broadcast (a collective)."""
+    data = _share_metadata(path, process_group, storage_options) if once else read_metadata_bytes(path, storage_options)
+    return parse_metadata(data, path)
+
+
+def _local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planner: Any, rank: int,
+           idx: LoadIndex | None) -> Exception | None:
+    """:func:`_load_local`, its error returned (every rank learns it before any raises)."""
+    try:
+        with gc_paused():
+            _load_local(state_dict, reader, planner, rank, idx)
+    except Exception as e:  # noqa: BLE001 - every rank learns it, then raises it
+        return e
+    return None
 
 
 def _index_planner(planner: Any) -> bool:
@@ -351,13 +400,13 @@ _EMPTY = Metadata(state_dict_metadata={})
 _OURS = (CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError)
 
 
-def _agree(error: Exception | None, process_group: Any) -> Exception | None:
+def _agree(error: Exception | None, process_group: Any, known_failed: bool = False) -> Exception | None:
     """Every rank returns the same error (``None``: every rank loaded): solosave's own errors
-    first, then the lowest failing rank's. On gloo one 8-byte ``all_reduce`` says whether any
-    rank failed (0.3 ms here, against 1.4 ms for an ``all_gather_object``); only then, or on
-    another backend, the errors travel in an ``all_gather_object``."""
+    first, then the lowest failing rank's. One 8-byte agreement says whether any rank failed
+    (``DistChannel.all_and``; skipped when it is ``known_failed``); only then the errors travel
+    in an ``all_gather_object``."""
     ch = DistChannel(process_group)
-    if _is_gloo(process_group) and ch.all_reduce_and(int(error is None)) == 1:
+    if not known_failed and ch.all_and(int(error is None)) == 1:
         return None
     mine: Exception | None = error
     if error is not None:
