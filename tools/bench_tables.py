@@ -63,6 +63,23 @@ def limits_tables(limits: Json) -> None:
                   f"{r['published_over_raw_after']:.2f} ({goals['published_over_raw_write']}) |")
 
 
+def scale_tables(scale: Json, min_w: int = 256) -> None:
+    """Issue #15's figures per simulated world size (solosave; start-up and load: the worst of
+    the sampled ranks)."""
+    print("\n| W | start-up read per rank | start-up s per rank | worker gets | create save s (coordinator) "
+          "| of which finish s | drift fallback s | reuse publish s | load index written s (beside the data) "
+          "| load: index read per rank (bytes, s) | load: whole `.metadata` per rank (bytes, s) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in scale["solosave"]:
+        if r["world"] < min_w:
+            continue
+        print(f"| {r['world']} | {fmt_bytes(r['startup_read_bytes_per_rank'])} | {r['startup_s_per_rank']:.4f} | "
+              f"{fmt_bytes(r['worker_prepared_bytes'])} | {r['create_save_s']:.2f} | {r['t_finish_publish']:.2f} | "
+              f"{r['fallback_save_s']:.2f} | {r['reuse_publish_s']:.2f} | {r['reuse_index_write_s']:.3f} | "
+              f"{fmt_bytes(r['load_read_bytes_per_rank'])}, {r['load_metadata_s_per_rank']:.3f} | "
+              f"{fmt_bytes(r['load_full_metadata_bytes_per_rank'])}, {r['load_full_metadata_s_per_rank']:.2f} |")
+
+
 def main(paths: list[str]) -> int:
     for path in paths:
         with open(path) as f:
@@ -73,6 +90,8 @@ def main(paths: list[str]) -> int:
             save_tables(report["save"])
         if "limits" in report:
             limits_tables(report["limits"])
+        if "scale" in report:
+            scale_tables(report["scale"])
     return 0
 
 

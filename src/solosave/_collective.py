@@ -129,9 +129,9 @@ def decide(job: SaveJob, requests: list[PlanRequest], coordinator: int) -> tuple
 def write_assigned(engine: Engine, job: SaveJob, mine: PlanDecision, prewritten: list[WriteResult] | None,
                    timings: dict[str, float]) -> WriteReport:
     """Write the items the coordinator assigned to this rank (or keep a fallback's files)."""
-    if mine.skip_write:
-        return WriteReport(written_columns([s.key for s in job.held], prewritten or []), None)
     try:
+        if mine.skip_write:
+            return WriteReport(written_columns([s.key for s in job.held], prewritten or []), None)
         staged = {it.spec.key: it for it in job.staged.items}
         positions = range(len(job.held)) if mine.writes is None else mine.writes
         specs = [staged[job.held[i].key].spec for i in positions]
