@@ -146,7 +146,8 @@ def index_loads(rank: int, ws: int, root: str) -> dict:
             ok = all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES)
             out[f"{name}/{use_index}"] = (ok and torch.equal(got["p"], want["p"]) and got["step"] == 41, list(calls))
     # The last rank cannot use the index (unusable there only): the others have loaded through it
-    # already; every rank then takes the .metadata path, which only that rank loads from.
+    # already; every rank then takes part in the .metadata broadcast, and only that rank parses it
+    # and loads from it.
     got = _state(ws, LOAD_DIM, {k: torch.zeros_like(v) for k, v in want.items()}, 0)
     calls.clear()
     refuse = mock.patch.object(sl.LoadIndex, "open", side_effect=sl.IndexUnusable("refused in this test"))
@@ -155,8 +156,9 @@ def index_loads(rank: int, ws: int, root: str) -> dict:
         if rank == ws - 1:
             with refuse:
                 solosave.load(got, os.path.join(root, "c1"))
-        else:
-            solosave.load(got, os.path.join(root, "c1"))
+        else:  # these ranks loaded through the index: they take part in the broadcast, parse nothing
+            with mock.patch.object(sl, "parse_metadata", side_effect=AssertionError("parsed .metadata")):
+                solosave.load(got, os.path.join(root, "c1"))
     ok = all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES)
     out["mixed"] = (ok and torch.equal(got["p"], want["p"]) and got["step"] == 41, list(calls))
     return out

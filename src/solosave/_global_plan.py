@@ -309,8 +309,8 @@ def _staged_items(requests: Sequence[PlanRequest], c: _Cols, u: _Unique
 # -- phase 6 -----------------------------------------------------------------------------------
 
 def _prefer(requests: Sequence[PlanRequest], c: _Cols, u: _Unique) -> torch.Tensor | None:
-    """Reuse fallback: per item, the lowest rank that already wrote it (-1: none); ``None``
-    when no rank pre-wrote anything."""
+    """Reuse fallback: per item, the lowest rank that already wrote it (the world size: none);
+    ``None`` when no rank pre-wrote anything."""
     kept = [(r, req.prewritten.positions) for r, req in enumerate(requests) if req.prewritten is not None]
     if not any(len(pos) for _, pos in kept):
         return None

@@ -203,7 +203,7 @@ def _share_metadata(path: str | os.PathLike, process_group: Any,
     if ch.is_coordinator:
         try:
             payload = ("ok", read_metadata_bytes(path, storage_options))
-        except (OSError, PreparedMetadataError) as e:
+        except Exception as e:  # noqa: BLE001 - every rank receives it (the others wait in the broadcast)
             payload = (type(e).__name__, str(e))
     kind, value = ch.broadcast_object(payload)
     if kind == "ok":
@@ -266,10 +266,11 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
         _dcp_load(state_dict, reader, planner, process_group)
         return
     try:
-        if not loaded or distributed and read_metadata_once:  # the broadcast is a collective
-            reader.metadata = _metadata(path, distributed and read_metadata_once, process_group, storage_options)
         if not loaded:
+            reader.metadata = _metadata(path, distributed and read_metadata_once, process_group, storage_options)
             error = _local(state_dict, reader, planner, rank, None)
+        elif read_metadata_once:  # the broadcast is a collective: take part, parse nothing
+            _share_metadata(path, process_group, storage_options)
     except Exception as e:  # noqa: BLE001 - every rank learns it below, then raises it
         error = e
     if distributed:
