@@ -10,6 +10,7 @@ the same error wording), and that the columnar ``.metadata`` unpickles equal to
 from __future__ import annotations
 
 import operator
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -25,11 +26,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from solosave._chunks import validate_chunks
+from solosave._convert import _chunk_sizes, _rows_of, columns_from_rows
 from solosave._format import METADATA_VERSION, ItemKey, dtype_from_name, item_key
 from solosave._layout import PlanValidationError, check_results_cover, gc_paused, shared_size
 from solosave._packing import unpack_specs
 from solosave._protocol import ItemKind, ItemSpec, PlanRequest, WriteResult
 from solosave._results import ChunkTable, ResultColumns
+from solosave._sections import VERSION, _template_section, build_prepared, structure_of
 
 
 def assign_writers(
@@ -253,3 +256,21 @@ def result_columns(table: ChunkTable, sdm: Mapping[str, Any],
     return ResultColumns(col([ids[k] for k, *_ in rows]), col(ranks),
                          col([file_of.setdefault(rel, len(file_of)) for _, rel, _, _ in rows]),
                          col([r[2] for r in rows]), col([r[3] for r in rows]), list(file_of), len(results_by_rank))
+
+
+def prepared_from_results(state_dict_metadata: Mapping[str, Any], results_by_rank: Sequence[Iterable[tuple]],
+                          template: Any, storage_meta: tuple[str, str] | None, fields: dict[str, Any]) -> bytes:
+    """A prepared file made from a collective save's plan, every rank's write results
+    (``results_by_rank[r]``: rank ``r``'s ``(key, file, offset, length)`` rows) and the template
+    it publishes, one row at a time: the reference for ``_results.prepared_from_columns``."""
+    sizes = _chunk_sizes(state_dict_metadata)
+    rank_rows = []
+    for rows in results_by_rank:
+        files: dict[str, list] = defaultdict(list)
+        for key, rel, off, n in rows:
+            files[rel].append((key[0], key[1], off, n, sizes.get(key) if key[1] is not None else None))
+        rank_rows.append(_rows_of(files))
+    structure = structure_of(state_dict_metadata)
+    return build_prepared({**fields, "format_version": VERSION}, structure,
+                          columns_from_rows(list(structure), rank_rows), _template_section(template),
+                          storage_meta)[0]

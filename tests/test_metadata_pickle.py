@@ -16,13 +16,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from oracle import build_metadata, result_columns
-from solosave._buckets import key_bucket
-from solosave._convert import prepared_from_results
+from oracle import build_metadata, prepared_from_results, result_columns
+from solosave._buckets import column_buckets, key_bucket
 from solosave._layout import PlanValidationError
 from solosave._metadata_pickle import metadata_template
 from solosave._publish import MetadataTemplate
-from solosave._results import ChunkTable, chunk_buckets, prepared_from_columns
+from solosave._results import ChunkTable, prepared_from_columns
 from solosave._safe_pickle import safe_loads
 from solosave._sections import SectionReader
 from solosave._sources import BytesSource
@@ -119,13 +118,15 @@ def test_result_columns_keep_gather_order_and_rank():
     assert res.uid.tolist() == [0, 2, 5, 1, 3, 4]
 
 
-def test_chunk_buckets_equal_key_bucket():
+def test_column_buckets_equal_key_bucket():
     sdm, _, _ = _small()
     table = ChunkTable.from_metadata(sdm)
     for n in (1, 3, 7, 1000):
         want = [key_bucket((fqn, None if table.nd[f] < 0 else tuple(table.offs[u, :table.nd[f]].tolist())), n)
                 for f, fqn in enumerate(table.names) for u in range(table.bounds[f], table.bounds[f + 1])]
-        assert chunk_buckets(table, n).tolist() == want
+        fids = table.fids()
+        nds = torch.tensor(table.nd)[fids]
+        assert column_buckets(table.names, fids, nds, table.offs, n).tolist() == want
 
 
 def test_prepared_file_from_columns_has_the_sections_of_the_per_row_build():

@@ -201,7 +201,7 @@ def _sharded_prepared(world=8, tensors=3, workers=2):
         TensorStorageMetadata,
     )
 
-    from solosave._convert import prepared_from_results
+    from oracle import prepared_from_results
     from solosave._publish import MetadataTemplate as Tpl
 
     sdm, by_rank = {}, [[] for _ in range(world)]
@@ -367,7 +367,7 @@ def test_version_3_section_with_impossible_rows_is_refused():
     structure = {"w": (0, "float32", (4, 2))}
     good = [0, 2, 0, 100, 0, 0, 4, 2]
     blob, header = build_prepared({"world_size": 1}, structure,
-                                  LayoutColumns(["w"], torch.tensor([good]), [[("__0_0.distcp", 1)]]), None, None)
+                                  LayoutColumns(torch.tensor([good]), [[("__0_0.distcp", 1)]]), None, None)
     reader = SectionReader(BytesSource(blob))
     assert reader.rank_layout(0).files[0][1][0].key == ("w", (0, 0))
     off, length, _ = reader._entry(0, "rank 0")
@@ -380,4 +380,4 @@ def test_version_3_section_with_impossible_rows_is_refused():
         with pytest.raises(solosave.PreparedMetadataError, match="section of rank 0 is corrupt"):
             SectionReader(BytesSource(bytes(bad))).rank_layout(0)
     with pytest.raises(ValueError, match="hold 2 rows"):
-        build_prepared({}, structure, LayoutColumns(["w"], torch.tensor([good]), [[("__0_0.distcp", 2)]]), None, None)
+        build_prepared({}, structure, LayoutColumns(torch.tensor([good]), [[("__0_0.distcp", 2)]]), None, None)

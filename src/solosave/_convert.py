@@ -1,14 +1,14 @@
 """Prepared files from rows, one item at a time: the conversion of a whole DCP ``Metadata``
 (``solosave prepare``, a plain pickled ``Metadata`` or a version-1 file given as prepared
-metadata) and the reference build from keyed write results that tests compare the columnar
-build of a create save with (``_results.prepared_from_columns``). Both make the
-:class:`~solosave._sections.LayoutColumns` that :func:`~solosave._sections.build_prepared` writes.
+metadata) into the :class:`~solosave._sections.LayoutColumns` that
+:func:`~solosave._sections.build_prepared` writes. (A create save builds its prepared file from
+columns: ``_results.prepared_from_columns``.)
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ def columns_from_rows(names: Sequence[str], rank_rows: Sequence[Sequence[tuple[s
                 flat.append([fid_of[fqn], -1 if offsets is None else len(o), int(off), int(length),
                              *o, *(0,) * (width - len(o)), *z, *(0,) * (width - len(z))])
     rows_t = torch.tensor(flat, dtype=torch.int64) if flat else torch.zeros((0, 4 + 2 * width), dtype=torch.int64)
-    return LayoutColumns(list(names), rows_t, files_of)
+    return LayoutColumns(rows_t, files_of)
 
 
 def _chunk_sizes(state_dict_metadata: Mapping[str, Any]) -> dict[ItemKey, tuple[int, ...]]:
@@ -51,26 +51,6 @@ def _chunk_sizes(state_dict_metadata: Mapping[str, Any]) -> dict[ItemKey, tuple[
 
 def _rows_of(files: Mapping[str, list]) -> list[tuple[str, list]]:
     return [(rel, sorted(files[rel], key=lambda r: r[2])) for rel in sorted(files, key=_file_order)]
-
-
-def prepared_from_results(state_dict_metadata: Mapping[str, Any], results_by_rank: Sequence[Iterable[tuple]],
-                          template: MetadataTemplate, storage_meta: tuple[str, str] | None,
-                          fields: dict[str, Any]) -> bytes:
-    """A prepared file made from a collective save's plan, every rank's write results
-    (``results_by_rank[r]``: rank ``r``'s ``(key, file, offset, length)`` rows) and the template
-    it publishes, one row at a time (the reference for ``_results.prepared_from_columns``)."""
-    with gc_paused():
-        sizes = _chunk_sizes(state_dict_metadata)
-        rank_rows = []
-        for rows in results_by_rank:
-            files: dict[str, list] = defaultdict(list)
-            for key, rel, off, n in rows:
-                files[rel].append((key[0], key[1], off, n, sizes.get(key) if key[1] is not None else None))
-            rank_rows.append(_rows_of(files))
-        structure = structure_of(state_dict_metadata)
-        return build_prepared({**fields, "format_version": VERSION}, structure,
-                              columns_from_rows(list(structure), rank_rows), _template_section(template),
-                              storage_meta)[0]
 
 
 def sections_from_metadata(md: Metadata, fields: dict[str, Any], where: str = "metadata") -> bytes:

@@ -55,12 +55,12 @@ class GlobalPlan:
     skip_write: bool
     planner_data: dict
     drifts: dict[int, list[str]]
-    #: The chunks of ``state_dict_metadata`` as columns (``None``: derive them from it).
-    chunks: ChunkTable | None = None
+    #: The chunks of ``state_dict_metadata`` as columns.
+    chunks: ChunkTable
     #: The chunk id (in ``chunks``) of every held item, rank by rank in held order, and the
     #: number of items each rank holds: how ``WrittenColumns`` rows are matched to chunks.
-    held_chunks: torch.Tensor | None = None
-    held_counts: list[int] | None = None
+    held_chunks: torch.Tensor
+    held_counts: list[int]
 
 
 @dataclass

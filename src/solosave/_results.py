@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ._buckets import column_buckets
 from ._layout import PlanValidationError
 from ._protocol import WrittenColumns
 from ._publish import MetadataTemplate
@@ -92,14 +91,14 @@ class ResultColumns:
         return int(self.uid.numel())
 
 
+_TORCH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def int_column(arrays: Iterable[array]) -> torch.Tensor:
     """Integer ``array`` objects (typecodes ``b``, ``h``, ``i``, ``l``, ``q``) concatenated into
     one int64 tensor."""
     parts = [torch.frombuffer(bytearray(a), dtype=_TORCH_INT[a.itemsize]).to(torch.int64) for a in arrays if len(a)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-
-
-_TORCH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def placed_columns(table: ChunkTable, held_chunks: torch.Tensor, held_counts: Sequence[int],
@@ -165,9 +164,11 @@ def prepared_from_columns(sdm: Mapping[str, object], table: ChunkTable, res: Res
         starts, ranks, file_ids = [0] + cut, rank.tolist(), file.tolist()
         for a, b in zip(starts, cut + [res.n]):
             files[ranks[a]].append((res.files[file_ids[a]], b - a))
-    return build_prepared({**fields, "format_version": VERSION}, structure_of(sdm),
-                          LayoutColumns(table.names, rows, files), _template_section(template), storage_meta,
-                          index_body)[0]
+    structure = structure_of(sdm)
+    if table.names != list(structure):  # the rows' fqn ids are positions in the structure
+        raise ValueError("internal: the chunk table's fqns are not in the order of state_dict_metadata")
+    return build_prepared({**fields, "format_version": VERSION}, structure, LayoutColumns(rows, files),
+                          _template_section(template), storage_meta, index_body)[0]
 
 
 def sorted_rows(*columns: torch.Tensor) -> torch.Tensor:
@@ -176,10 +177,3 @@ def sorted_rows(*columns: torch.Tensor) -> torch.Tensor:
     for col in reversed(columns):  # stable sorts, least significant first
         order = order[torch.sort(col[order], stable=True).indices]
     return order
-
-
-def chunk_buckets(table: ChunkTable, buckets: int) -> torch.Tensor:
-    """``_sections.key_bucket`` of every chunk of ``table``."""
-    fids = table.fids()
-    nds = torch.tensor(table.nd, dtype=torch.int64)[fids] if table.n else fids
-    return column_buckets(table.names, fids, nds, table.offs, buckets)

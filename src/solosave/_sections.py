@@ -104,9 +104,8 @@ def _dumps(obj: Any) -> bytes:
 class LayoutColumns:
     """Every rank's placed items as columns: what :func:`build_prepared` writes."""
 
-    names: list[str]        #: fqn by id
-    #: ``(rows, 4 + 2 * width)`` int64, sorted by rank, file, offset: fqn id, dims (-1: BYTES),
-    #: offset, length, chunk offsets, chunk sizes (zero-padded).
+    #: ``(rows, 4 + 2 * width)`` int64, sorted by rank, file, offset: fqn id (its position in
+    #: the structure), dims (-1: BYTES), offset, length, chunk offsets, chunk sizes (zero-padded).
     rows: torch.Tensor
     #: Per rank: its files in order, each with its number of rows.
     files: list[list[tuple[str, int]]]
@@ -136,10 +135,6 @@ def build_prepared(fingerprint: dict[str, Any], structure: dict[str, tuple], lay
     file_id = uuid.uuid4().bytes
     world, width = len(layout.files), layout.width
     rows = layout.rows
-    order = {n: i for i, n in enumerate(structure)}
-    if layout.names != list(structure)[:len(layout.names)]:  # fqn ids: positions in the structure
-        remap = torch.tensor([order[n] for n in layout.names] or [0], dtype=torch.int64)
-        rows = torch.cat([remap[rows[:, 0]][:, None], rows[:, 1:]], dim=1)
     raw = memoryview(_le(rows))
     row_bytes = 8 * (4 + 2 * width)
     rank_blobs, at = [], 0
