@@ -332,6 +332,7 @@ def measure_fallback(out: Json, structure: list, world: int, workers: int, ckpt:
     (unpickling, ``decide``, unpickling the reports of the kept files, ``finish``, which
     refreshes the prepared file). ``fallback_save_s`` is its total."""
     from solosave._collective import decide, finish, plan_request, write_assigned
+    from solosave._packing import written_columns
     from solosave._protocol import Verdict
 
     payloads, reports, coord_job = [], [], None
@@ -353,7 +354,8 @@ def measure_fallback(out: Json, structure: list, world: int, workers: int, ckpt:
         held = solosave_rank_specs(structure, world, r)
         kept = solosave_results([held[i] for i in writes[r]], r, workers)
         job = solosave_job(held, ckpt, seq=2, reuse=True)
-        reports.append(_dumps(write_assigned(engine, job, decisions[r], kept, defaultdict(float))))
+        kept_columns = written_columns([s.key for s in held], kept)
+        reports.append(_dumps(write_assigned(engine, job, decisions[r], kept_columns, defaultdict(float))))
     decisions = None  # free it (a large object)
     got, t_reports = _timed(lambda: [pickle.loads(b) for b in reports])
     reports = None  # free it (a large object)

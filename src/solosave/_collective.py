@@ -43,8 +43,9 @@ from ._protocol import (
     Verdict,
     WriteReport,
     WriteResult,
+    WrittenColumns,
 )
-from ._results import ChunkTable, placed_columns, prepared_from_columns
+from ._results import placed_columns, prepared_from_columns
 from ._sections import SectionReader
 from ._sources import BytesSource
 from ._status import same_save
@@ -60,7 +61,8 @@ def run_collective(engine: Engine, job: SaveJob, timings: dict[str, float],
     """Run the collective path of ``job`` on this rank (see the module docstring). ``prewritten``
     and ``drifts``: a reuse fallback's results already written and why the layout drifted."""
     ch = engine.channel
-    requests = ch.gather_object(plan_request(job, prewritten, drifts))
+    request = plan_request(job, prewritten, drifts)
+    requests = ch.gather_object(request)
     decisions, plan = decide(job, requests, ch.coordinator) if ch.is_coordinator else (None, None)
     mine: PlanDecision = ch.scatter_object(decisions)
     kind = SaveKind.FALLBACK if job.mode is Mode.REUSE else (
@@ -69,7 +71,7 @@ def run_collective(engine: Engine, job: SaveJob, timings: dict[str, float],
         raise OutOfStep(mine.message)
     if mine.verdict is Verdict.ERROR:
         return JobOutcome(job.seq, False, kind, ErrorKind.FAILED, failures=dict(mine.failures))
-    report = write_assigned(engine, job, mine, prewritten, timings)
+    report = write_assigned(engine, job, mine, request.prewritten, timings)
     reports = ch.gather_object(report)
     notice = None
     if ch.is_coordinator:
@@ -126,12 +128,14 @@ def decide(job: SaveJob, requests: list[PlanRequest], coordinator: int) -> tuple
     return [PlanDecision(Verdict.OK, writes[r], plan.skip_write, plan.drifts) for r in range(world)], plan
 
 
-def write_assigned(engine: Engine, job: SaveJob, mine: PlanDecision, prewritten: list[WriteResult] | None,
+def write_assigned(engine: Engine, job: SaveJob, mine: PlanDecision, kept: WrittenColumns | None,
                    timings: dict[str, float]) -> WriteReport:
-    """Write the items the coordinator assigned to this rank (or keep a fallback's files)."""
+    """Write the items the coordinator assigned to this rank, or, when every rank's pre-written
+    files fit the plan (``skip_write``), report them: ``kept``, as this rank's plan request sent
+    them."""
+    if mine.skip_write and kept is not None:  # skip_write: every request carried its files
+        return WriteReport(kept, None)
     try:
-        if mine.skip_write:
-            return WriteReport(written_columns([s.key for s in job.held], prewritten or []), None)
         staged = {it.spec.key: it for it in job.staged.items}
         positions = range(len(job.held)) if mine.writes is None else mine.writes
         specs = [staged[job.held[i].key].spec for i in positions]
@@ -158,7 +162,7 @@ def finish(engine: Engine, job: SaveJob, plan: GlobalPlan, reports: list[WriteRe
         save_id = str(uuid.uuid4())
         engine.made_template = prepared = None
         with gc_paused():  # columns, not objects: see _results and _metadata_pickle
-            table = plan.chunks or ChunkTable.from_metadata(sdm)
+            table = plan.chunks  # every report has its columns: the failures returned above
             results = placed_columns(table, plan.held_chunks, plan.held_counts,
                                      [rep.columns for rep in reports])  # type: ignore[misc]
             template = metadata_template(sdm, plan.planner_data, table, results)
