@@ -64,7 +64,7 @@ def test_publish_is_atomic_and_replaces(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".") and "tmp" in n]
 
 
-def test_publish_writes_rendered_pieces_without_joining_them(tmp_path):
+def test_publish_writes_rendered_pieces_in_order(tmp_path):
     """The engine publishes ``render_parts`` (the 100 MiB pickle at W=4096 is not joined in
     memory first): the file holds exactly what ``render`` gives, locally and through fsspec."""
     d, _, _, md = _checkpoint(tmp_path)
