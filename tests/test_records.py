@@ -7,10 +7,11 @@ import io
 import os
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 
-from solosave._records import FrameCache, build_frame, raw_bytes, record_crc
+from solosave._records import FrameCache, build_frame, raw_bytes, record_crc, writev_all
 from solosave._write import FileWriter, Record
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
@@ -99,3 +100,38 @@ def test_start_writeback_is_advisory(tmp_path):
         os.close(fd)
     _records.start_writeback(fd, 0, 8192)  # closed: ignored
     assert path.read_bytes() == b"x" * 8192
+
+
+def test_the_suffixes_of_many_records_built_at_once_match_torch_save():
+    """``suffixes_with`` builds every suffix of a batch with array operations (the writer's
+    path); each row must be the suffix ``torch.save`` writes for that tensor's bytes."""
+    ts = [_value(torch.float32, (33, 5)) + i for i in range(40)] + [torch.zeros(33, 5), torch.full((33, 5), -1.0)]
+    cache = FrameCache()
+    frame = cache.get(ts[0])
+    crcs = np.array([record_crc(raw_bytes(t)) for t in ts], np.uint32)
+    rows = frame.suffixes_with(crcs)
+    assert rows.shape == (len(ts), len(frame.suffix))
+    for t, row in zip(ts, rows):
+        assert frame.prefix + bytes(raw_bytes(t)) + row.tobytes() == _torch_save(t)
+
+
+def test_writev_all_resumes_after_short_writes(tmp_path, monkeypatch):
+    """A ``writev`` that writes less than asked (a signal, a pipe, a full quota) is resumed
+    where it stopped, across piece boundaries."""
+    real = os.writev
+    sizes = iter([5, 1, 700, 3, 10**9] * 100)
+
+    def short(fd, bufs):
+        joined = b"".join(bytes(b) for b in bufs)
+        return real(fd, [joined[:next(sizes)]])
+
+    pieces = [b"head", memoryview(bytes(range(256)) * 3).cast("B"), np.arange(50, dtype=np.uint8), b"", b"tail"]
+    want = b"".join(bytes(p) for p in pieces)
+    monkeypatch.setattr(os, "writev", short)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        writev_all(fd, pieces)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == want

@@ -26,6 +26,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._checksum import crc32
@@ -44,14 +45,22 @@ def _hash_combine(seed: int, value: int) -> int:
     return (seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _MASK) + (seed >> 2)) & _MASK)) & _MASK
 
 
+_ID_DIGITS = 20
+
+
+def _fold(seed: np.ndarray, value: np.ndarray | np.uint64) -> np.ndarray:
+    """:func:`_hash_combine` on arrays of uint64 (numpy's uint64 arithmetic wraps, as c10's)."""
+    return seed ^ (value + np.uint64(0x9E3779B9) + (seed << np.uint64(6)) + (seed >> np.uint64(2)))
+
+
 @dataclass(frozen=True, slots=True)
 class TensorFrame:
     """The bytes of a ``torch.save`` record around the storage bytes of one (dtype, shape).
 
-    ``suffix_with(crc)`` patches what depends on the storage bytes: the data entry's CRC32 (in its
-    data descriptor and its central directory entry) and the serialization id (the CRC32s of
-    the archive's entries folded in order, written as 20 decimal digits), with that entry's own
-    CRC32s."""
+    ``suffixes_with(crcs)`` patches what depends on the storage bytes, for many records at
+    once: the data entry's CRC32 (in its data descriptor and its central directory entry) and
+    the serialization id (the CRC32s of the archive's entries folded in order, written as 20
+    decimal digits), with that entry's own CRC32s."""
 
     prefix: bytes
     suffix: bytes
@@ -65,24 +74,59 @@ class TensorFrame:
     #: Offset in ``suffix`` of the id's last 20 digits, and of the id entry's CRC32 fields.
     id_at: int
     id_crc_at: tuple[int, ...]
-
-    def suffix_with(self, crc: int) -> bytes:
-        s = bytearray(self.suffix)
-        for at in self.crc_at:
-            struct.pack_into("<I", s, at, crc)
-        folded = _hash_combine(self.fold_seed, crc)
-        for c in self.chain_after:
-            folded = _hash_combine(folded, c)
-        s[self.id_at:self.id_at + 20] = b"%020d" % folded
-        id_start = self.id_at - 20
-        id_crc = zlib.crc32(bytes(s[id_start:self.id_at + 20]))
-        for at in self.id_crc_at:
-            struct.pack_into("<I", s, at, id_crc)
-        return bytes(s)
+    #: The id entry's CRC32 as a function of its last 20 digits. A CRC32 is affine over GF(2)
+    #: for a fixed length, so it is ``id_crc_base`` (all 20 digits ``0``) XOR, per digit
+    #: position ``p`` holding ``d``, the little-endian uint32 ``id_crc_table[4 * (10 * p + d)]``.
+    id_crc_base: int
+    id_crc_table: bytes
 
     @property
     def length(self) -> int:
+        """Bytes of one record: prefix, storage bytes, suffix."""
         return len(self.prefix) + self.nbytes + len(self.suffix)
+
+    def suffixes_with(self, crcs: np.ndarray) -> np.ndarray:
+        """The suffixes of records whose storage bytes have the CRC32s ``crcs`` (uint32), one
+        row each (uint8, shape ``(len(crcs), len(suffix))``): array operations, no loop per
+        record."""
+        crcs = np.ascontiguousarray(crcs, dtype=np.uint32)
+        n = len(crcs)
+        out = np.tile(np.frombuffer(self.suffix, np.uint8), (n, 1))
+        as_bytes = crcs.astype("<u4").view(np.uint8).reshape(n, 4)
+        for at in self.crc_at:
+            out[:, at:at + 4] = as_bytes
+        folded = _fold(np.full(n, self.fold_seed, np.uint64), crcs.astype(np.uint64))
+        for c in self.chain_after:
+            folded = _fold(folded, np.uint64(c))
+        digits = np.empty((n, _ID_DIGITS), np.uint8)
+        for p in range(_ID_DIGITS - 1, -1, -1):
+            digits[:, p] = folded % np.uint64(10)
+            folded //= np.uint64(10)
+        out[:, self.id_at:self.id_at + _ID_DIGITS] = digits + ord("0")
+        table = np.frombuffer(self.id_crc_table, "<u4").reshape(_ID_DIGITS, 10)
+        id_crc = np.bitwise_xor.reduce(table[np.arange(_ID_DIGITS), digits], axis=1) ^ np.uint32(self.id_crc_base)
+        id_bytes = id_crc.astype("<u4").view(np.uint8).reshape(n, 4)
+        for at in self.id_crc_at:
+            out[:, at:at + 4] = id_bytes
+        return out
+
+    def suffix_with(self, crc: int) -> bytes:
+        """The suffix of one record whose storage bytes have the CRC32 ``crc``."""
+        return self.suffixes_with(np.array([crc], np.uint32))[0].tobytes()
+
+
+def _id_crc_table(suffix: bytes, id_at: int) -> tuple[int, bytes]:
+    """``(id_crc_base, id_crc_table)`` of :class:`TensorFrame` for the 40-digit id that ends
+    20 bytes after ``id_at`` in ``suffix``."""
+    zeros = bytearray(suffix[id_at - _ID_DIGITS:id_at]) + b"0" * _ID_DIGITS
+    base = zlib.crc32(zeros)
+    table = np.empty((_ID_DIGITS, 10), "<u4")
+    for p in range(_ID_DIGITS):
+        for d in range(10):
+            probe = bytearray(zeros)
+            probe[_ID_DIGITS + p] = ord("0") + d
+            table[p, d] = zlib.crc32(probe) ^ base
+    return base, table.tobytes()
 
 
 class _Sink:
@@ -186,7 +230,7 @@ def _descriptor_crc(suffix: bytes, at: int) -> int:
 
 def _frame(prefix: bytes, suffix: bytes, nbytes: int, base: int) -> TensorFrame:
     """Locate in ``suffix`` (archive offset ``base``, right after the storage bytes) what
-    :meth:`TensorFrame.suffix_with` patches."""
+    :meth:`TensorFrame.suffixes_with` patches."""
     entries = _central_directory(suffix)
     data = [e for e in entries if e[0].endswith(b"/data/0")]
     ident = [e for e in entries if e[0].endswith(b"/.data/serialization_id")]
@@ -203,9 +247,11 @@ def _frame(prefix: bytes, suffix: bytes, nbytes: int, base: int) -> TensorFrame:
     seed = 0
     for e in entries[:at]:
         seed = _hash_combine(seed, e[1])
+    base, table = _id_crc_table(suffix, id_data + 20)
     return TensorFrame(prefix, suffix, nbytes, crc_at=(_descriptor_crc(suffix, 0), data[0][3] + 16),
                        fold_seed=seed, chain_after=tuple(e[1] for e in entries[at + 1:-1]), id_at=id_data + 20,
-                       id_crc_at=(_descriptor_crc(suffix, id_data + 40), ident[0][3] + 16))
+                       id_crc_at=(_descriptor_crc(suffix, id_data + 40), ident[0][3] + 16),
+                       id_crc_base=base, id_crc_table=table)
 
 
 class FrameCache:
@@ -259,17 +305,24 @@ def record_crc(data: memoryview) -> int:
 
 
 def writev_all(fd: int, pieces: list) -> None:
-    """Write ``pieces`` (buffers) in order at ``fd``'s position: ``os.writev`` in batches of
-    at most :data:`IOV_BATCH`, resuming after short writes."""
+    """Write ``pieces`` in order at ``fd``'s position: ``os.writev`` in batches of at most
+    :data:`IOV_BATCH`, resuming after short writes. Every piece is a buffer whose ``len()`` is
+    its size in bytes (``bytes``, a ``"B"`` memoryview, a uint8 array row): nothing is converted
+    unless a write comes back short."""
     for start in range(0, len(pieces), IOV_BATCH):
-        batch = [memoryview(p).cast("B") for p in pieces[start:start + IOV_BATCH]]
-        while batch:
-            n = os.writev(fd, batch)
-            while batch and n >= len(batch[0]):
-                n -= len(batch[0])
-                batch.pop(0)
-            if batch and n:
-                batch[0] = batch[0][n:]
+        batch = pieces[start:start + IOV_BATCH]
+        n = os.writev(fd, batch)
+        if n == sum(map(len, batch)):
+            continue
+        rest = [memoryview(p).cast("B") for p in batch]
+        while rest:
+            while rest and n >= len(rest[0]):
+                n -= len(rest[0])
+                rest.pop(0)
+            if rest and n:
+                rest[0] = rest[0][n:]
+            if rest:
+                n = os.writev(fd, rest)
 
 
 def _libc_sync_file_range() -> Any:

@@ -23,14 +23,15 @@ import pickle
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 
 from ._checksum import crc32
 from ._format import CHECKSUM_FORMAT, ItemKey, checksum_path
 from ._protocol import WriteResult
-from ._records import CrcAhead, FrameCache, raw_bytes, record_crc, start_writeback, writev_all
+from ._records import CrcAhead, FrameCache, TensorFrame, raw_bytes, record_crc, start_writeback, writev_all
 from ._storage import is_url, storage_for
 from ._upload import ObjectUpload
 
@@ -308,53 +309,71 @@ class FileWriter:
 
     def _write_batched(self, raw: BinaryIO, rel: str, records: Sequence[Record], framed: list,
                        ahead: CrcAhead, results: list[WriteResult], crcs: list[int]) -> None:
-        """Write ``records`` as ``write_record`` would, gathering up to ~8 MiB of pieces per
-        ``writev`` (framed tensors: prefix, the staged bytes, suffix); records no frame fits
+        """Write ``records`` as ``write_record`` would, gathering up to ~8 MiB of records per
+        ``writev`` (framed tensors: prefix, the staged bytes, suffix; the suffixes of a batch
+        built at once per frame, see :meth:`TensorFrame.suffixes_with`); records no frame fits
         go through ``torch.save`` on the buffered stream between batches."""
         raw.flush()
         fd, pos = raw.fileno(), raw.tell()
-        pieces: list = []
-        pending = 0
-        first: Record | None = None
+        batch: list[tuple[int, TensorFrame | None, Any]] = []  # (record, frame or None, data)
+        start = pos
         try:
             for i, rec in enumerate(records):
-                first = first or rec
                 if framed[i] is not None:
                     frame, data = framed[i]
-                    parts = [frame.prefix, data, frame.suffix_with(ahead.get(i))]
+                    batch.append((i, frame, data))
+                    length = frame.length
                 elif rec.payload is not None:
-                    parts = [padded_payload(rec.payload, rec.pad_to) or rec.payload if rec.pad_to else rec.payload]
+                    data = padded_payload(rec.payload, rec.pad_to) or rec.payload if rec.pad_to else rec.payload
+                    batch.append((i, None, data))
+                    length = len(data)
                 else:  # no frame: torch.save, after what is gathered
-                    writev_all(fd, pieces)
-                    pieces, pending, first = [], 0, None
+                    self._flush_batch(fd, batch, ahead, crcs)
+                    batch = []
                     os.lseek(fd, pos, os.SEEK_SET)
                     raw.seek(pos)
                     self.write_record(raw, rec)
                     raw.flush()
                     results.append((rec.key, rel, pos, raw.tell() - pos))
-                    pos = raw.tell()
+                    pos = start = raw.tell()
                     if self.checksums:
                         crcs.append(_crc_of_range(fd, results[-1][2], results[-1][3]))
                     continue
-                length = sum(len(memoryview(p)) for p in parts)
                 results.append((rec.key, rel, pos, length))
                 pos += length
-                if self.checksums:
-                    crc = 0
-                    for p in parts:
-                        crc = crc32(p, crc)
-                    crcs.append(crc)
-                pieces += parts
-                pending += length
-                if pending >= _BATCH_BYTES:
-                    writev_all(fd, pieces)
+                if pos - start >= _BATCH_BYTES:
+                    self._flush_batch(fd, batch, ahead, crcs)
                     if self.fsync:
-                        start_writeback(fd, pos - pending, pending)
-                    pieces, pending, first = [], 0, None
-            writev_all(fd, pieces)
+                        start_writeback(fd, start, pos - start)
+                    batch, start = [], pos
+            self._flush_batch(fd, batch, ahead, crcs)
         except OSError as e:
-            raise _write_error(raw, first or records[-1], e) from e
+            raise _write_error(raw, records[batch[0][0]] if batch else records[-1], e) from e
         raw.seek(pos)
+
+    def _flush_batch(self, fd: int, batch: list[tuple[int, TensorFrame | None, Any]], ahead: CrcAhead,
+                     crcs: list[int]) -> None:
+        """One ``writev`` of ``batch`` (see :meth:`_write_batched`); with checksums, each
+        record's CRC32 appended to ``crcs``."""
+        suffixes: list[Any] = [None] * len(batch)
+        by_frame: dict[int, tuple[TensorFrame, list[int]]] = {}
+        for j, (_, frame, _) in enumerate(batch):
+            if frame is not None:
+                by_frame.setdefault(id(frame), (frame, []))[1].append(j)
+        for frame, rows in by_frame.values():
+            made = frame.suffixes_with(np.fromiter((ahead.get(batch[j][0]) for j in rows), np.uint32, len(rows)))
+            for j, row in zip(rows, made):
+                suffixes[j] = row
+        pieces: list[Any] = []
+        for (_, frame, data), suffix in zip(batch, suffixes):
+            parts = (data,) if frame is None else (frame.prefix, data, suffix)
+            pieces += parts
+            if self.checksums:
+                crc = 0
+                for p in parts:
+                    crc = crc32(p, crc)
+                crcs.append(crc)
+        writev_all(fd, pieces)
 
     def _write_checksums(self, sidecar: str, results: list[WriteResult], crcs: list[int]) -> None:
         doc = {"format": CHECKSUM_FORMAT,
