@@ -111,8 +111,9 @@ def test_the_suffixes_of_many_records_built_at_once_match_torch_save():
     crcs = np.array([record_crc(raw_bytes(t)) for t in ts], np.uint32)
     rows = frame.suffixes_with(crcs)
     assert rows.shape == (len(ts), len(frame.suffix))
-    for t, row in zip(ts, rows):
+    for t, row, crc in zip(ts, rows, crcs):
         assert frame.prefix + bytes(raw_bytes(t)) + row.tobytes() == _torch_save(t)
+        assert row.tobytes() == frame.suffix_with(int(crc))  # the per-record path agrees
 
 
 def test_writev_all_resumes_after_short_writes(tmp_path, monkeypatch):
@@ -135,3 +136,19 @@ def test_writev_all_resumes_after_short_writes(tmp_path, monkeypatch):
     finally:
         os.close(fd)
     assert path.read_bytes() == want
+
+
+def test_the_writer_builds_many_suffixes_at_once_and_few_one_by_one(tmp_path):
+    """A batch with 100 records of one shape (their suffixes built at once) and a few of
+    other shapes (one by one), interleaved: every record is ``torch.save``'s."""
+    ts = []
+    for i in range(100):
+        ts.append(_value(torch.float32, (64,)) + i)
+        if i % 30 == 0:
+            ts.append(_value(torch.int64, (3, i + 1)))
+    recs = [Record((f"t{i}", None), tensor=t) for i, t in enumerate(ts)]
+    results = FileWriter(fsync=False).write_file(str(tmp_path), "f", recs)
+    data = (tmp_path / "f").read_bytes()
+    assert len(results) == len(ts)
+    for (key, _, off, length), t in zip(results, ts):
+        assert data[off:off + length] == _torch_save(t), key

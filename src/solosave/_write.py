@@ -166,6 +166,9 @@ def _write_error(stream: BinaryIO, record: Record, e: Exception) -> OSError:
 
 #: Bytes gathered before one ``writev`` batch goes out.
 _BATCH_BYTES = 8 << 20
+#: Records of one frame in a batch from which their suffixes are built at once: measured here,
+#: ``suffixes_with`` costs about 230 us plus 0.5 us per record, ``suffix_with`` 4.5 us each.
+_SUFFIXES_AT_ONCE = 64
 
 
 def _crc_of_range(fd: int, offset: int, length: int) -> int:
@@ -361,7 +364,11 @@ class FileWriter:
             if frame is not None:
                 by_frame.setdefault(id(frame), (frame, []))[1].append(j)
         for frame, rows in by_frame.values():
-            made = frame.suffixes_with(np.fromiter((ahead.get(batch[j][0]) for j in rows), np.uint32, len(rows)))
+            crcs_of = (ahead.get(batch[j][0]) for j in rows)
+            if len(rows) >= _SUFFIXES_AT_ONCE:
+                made: Any = frame.suffixes_with(np.fromiter(crcs_of, np.uint32, len(rows)))
+            else:
+                made = [frame.suffix_with(c) for c in crcs_of]
             for j, row in zip(rows, made):
                 suffixes[j] = row
         pieces: list[Any] = []
