@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import errno
 import io
+import json
 import os
 import zipfile
+import zlib
 
 import numpy as np
 import pytest
@@ -152,3 +155,59 @@ def test_the_writer_builds_many_suffixes_at_once_and_few_one_by_one(tmp_path):
     assert len(results) == len(ts)
     for (key, _, off, length), t in zip(results, ts):
         assert data[off:off + length] == _torch_save(t), key
+
+
+def test_the_writer_with_checksums_across_batches_payloads_and_torch_save_records(tmp_path):
+    """A file of several ``writev`` batches mixing framed tensors (64+ of one shape: suffixes
+    built at once), padded payloads and records no frame fits (an empty tensor, a view: through
+    ``torch.save``, between batches): every record is ``torch.save``'s (payloads as given, zero
+    padded), and the sidecar holds each record's CRC32, in order (the file is not read back:
+    it is opened write-only)."""
+    recs, want = [], []
+    for i in range(70):
+        t = _value(torch.float32, (16,)) + i
+        recs.append(Record((f"s{i}", None), tensor=t))
+        want.append(_torch_save(t))
+        if i == 10:
+            recs.append(Record(("empty", None), tensor=torch.empty(0)))
+            want.append(_torch_save(torch.empty(0)))
+        if i == 20:
+            recs.append(Record(("bytes", None), payload=b"abc" * 100, pad_to=400))
+            want.append(None)
+    for i in range(3):  # 3 x 4 MiB: more than one 8 MiB batch
+        big = _value(torch.float32, (1 << 20,)) + i
+        recs.append(Record((f"big{i}", None), tensor=big))
+        want.append(_torch_save(big))
+    view = torch.arange(40.0)[3:9]
+    recs.append(Record(("view", None), tensor=view))
+    want.append(_torch_save(view))
+    results = FileWriter(fsync=False, checksums=True).write_file(str(tmp_path), "f", recs)
+    data = (tmp_path / "f").read_bytes()
+    sidecar = json.loads((tmp_path / "f.crc32").read_bytes())["records"]
+    assert len(results) == len(recs) == len(sidecar)
+    for (key, _, off, length), w, side in zip(results, want, sidecar):
+        chunk = data[off:off + length]
+        if w is not None:
+            assert chunk == w, key
+        else:
+            assert chunk[:300] == b"abc" * 100 and set(chunk[300:]) <= {0}, key
+        assert (side["offset"], side["length"], side["crc32"]) == (off, length, zlib.crc32(chunk)), key
+    assert results[-1][2] + results[-1][3] == len(data)
+
+
+def test_a_failed_torch_save_record_is_named_in_the_error(tmp_path, monkeypatch):
+    """An error inside a record that goes through ``torch.save`` names that record, not the
+    file's last one."""
+    real_save = torch.save
+
+    def failing_save(obj, f, *args, **kwargs):  # only the empty tensor's record fails
+        if isinstance(obj, torch.Tensor) and obj.numel() == 0:
+            raise OSError(errno.EIO, "injected")
+        return real_save(obj, f, *args, **kwargs)
+
+    recs = [Record(("a", None), tensor=torch.ones(3)), Record(("empty", None), tensor=torch.empty(0)),
+            Record(("b", None), tensor=torch.ones(5))]
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="'empty'") as info:
+        FileWriter(fsync=False).write_file(str(tmp_path), "f", recs)
+    assert "'b'" not in str(info.value)

@@ -145,7 +145,7 @@ class Engine:
         todo = [(name, [self._record(job, it, pad) for it in items]) for name, items in files]
         kept = [it for _, items in files for it in items]
         self.reader.keep_only(kept)
-        if len(self._records) > len(kept):
+        if len(self._records) > sum(it.payload is None for it in kept):
             self._records = {k: r for k, r in ((id(it), self._records.get(id(it))) for it in kept) if r is not None}
         try:
             return self.writer.write_files(job.directory, todo)

@@ -171,17 +171,6 @@ _BATCH_BYTES = 8 << 20
 _SUFFIXES_AT_ONCE = 64
 
 
-def _crc_of_range(fd: int, offset: int, length: int) -> int:
-    crc, done = 0, 0
-    while done < length:
-        chunk = os.pread(fd, min(length - done, 16 << 20), offset + done)
-        if not chunk:
-            break
-        crc = crc32(chunk, crc)
-        done += len(chunk)
-    return crc
-
-
 class FileWriter:
     """Writes the files of one rank, one thread per file.
 
@@ -315,49 +304,54 @@ class FileWriter:
         """Write ``records`` as ``write_record`` would, gathering up to ~8 MiB of records per
         ``writev`` (framed tensors: prefix, the staged bytes, suffix; the suffixes of a batch
         built at once per frame, see :meth:`TensorFrame.suffixes_with`); records no frame fits
-        go through ``torch.save`` on the buffered stream between batches."""
+        go through ``torch.save`` on the buffered stream between batches (with checksums,
+        through a :class:`_CrcStream`: the file is never read back). An error names the record
+        it happened in."""
         raw.flush()
         fd, pos = raw.fileno(), raw.tell()
         batch: list[tuple[int, TensorFrame | None, Any]] = []  # (record, frame or None, data)
         start = pos
-        try:
-            for i, rec in enumerate(records):
-                if framed[i] is not None:
-                    frame, data = framed[i]
-                    batch.append((i, frame, data))
-                    length = frame.length
-                elif rec.payload is not None:
-                    data = padded_payload(rec.payload, rec.pad_to) or rec.payload if rec.pad_to else rec.payload
-                    batch.append((i, None, data))
-                    length = len(data)
-                else:  # no frame: torch.save, after what is gathered
-                    self._flush_batch(fd, batch, ahead, crcs)
-                    batch = []
-                    os.lseek(fd, pos, os.SEEK_SET)
-                    raw.seek(pos)
-                    self.write_record(raw, rec)
+        for i, rec in enumerate(records):
+            if framed[i] is not None:
+                frame, data = framed[i]
+                batch.append((i, frame, data))
+                length = frame.length
+            elif rec.payload is not None:
+                data = padded_payload(rec.payload, rec.pad_to) or rec.payload if rec.pad_to else rec.payload
+                batch.append((i, None, data))
+                length = len(data)
+            else:  # no frame: torch.save, after what is gathered
+                self._flush_batch(raw, records, batch, ahead, crcs)
+                batch = []
+                os.lseek(fd, pos, os.SEEK_SET)
+                raw.seek(pos)
+                stream: BinaryIO = _CrcStream(raw) if self.checksums else raw  # type: ignore[assignment]
+                self.write_record(stream, rec)  # its errors name the record
+                try:
                     raw.flush()
-                    results.append((rec.key, rel, pos, raw.tell() - pos))
-                    pos = start = raw.tell()
-                    if self.checksums:
-                        crcs.append(_crc_of_range(fd, results[-1][2], results[-1][3]))
-                    continue
-                results.append((rec.key, rel, pos, length))
-                pos += length
-                if pos - start >= _BATCH_BYTES:
-                    self._flush_batch(fd, batch, ahead, crcs)
-                    if self.fsync:
-                        start_writeback(fd, start, pos - start)
-                    batch, start = [], pos
-            self._flush_batch(fd, batch, ahead, crcs)
-        except OSError as e:
-            raise _write_error(raw, records[batch[0][0]] if batch else records[-1], e) from e
+                except OSError as e:
+                    raise _write_error(raw, rec, e) from e
+                results.append((rec.key, rel, pos, raw.tell() - pos))
+                pos = start = raw.tell()
+                if self.checksums:
+                    crcs.append(stream.take())  # type: ignore[attr-defined]
+                continue
+            results.append((rec.key, rel, pos, length))
+            pos += length
+            if pos - start >= _BATCH_BYTES:
+                self._flush_batch(raw, records, batch, ahead, crcs)
+                if self.fsync:
+                    start_writeback(fd, start, pos - start)
+                batch, start = [], pos
+        self._flush_batch(raw, records, batch, ahead, crcs)
         raw.seek(pos)
 
-    def _flush_batch(self, fd: int, batch: list[tuple[int, TensorFrame | None, Any]], ahead: CrcAhead,
-                     crcs: list[int]) -> None:
+    def _flush_batch(self, raw: BinaryIO, records: Sequence[Record], batch: list[tuple[int, TensorFrame | None, Any]],
+                     ahead: CrcAhead, crcs: list[int]) -> None:
         """One ``writev`` of ``batch`` (see :meth:`_write_batched`); with checksums, each
-        record's CRC32 appended to ``crcs``."""
+        record's CRC32 appended to ``crcs``. A failed write names the batch's first record."""
+        if not batch:
+            return
         suffixes: list[Any] = [None] * len(batch)
         by_frame: dict[int, tuple[TensorFrame, list[int]]] = {}
         for j, (_, frame, _) in enumerate(batch):
@@ -380,7 +374,10 @@ class FileWriter:
                 for p in parts:
                     crc = crc32(p, crc)
                 crcs.append(crc)
-        writev_all(fd, pieces)
+        try:
+            writev_all(raw.fileno(), pieces)
+        except OSError as e:
+            raise _write_error(raw, records[batch[0][0]], e) from e
 
     def _write_checksums(self, sidecar: str, results: list[WriteResult], crcs: list[int]) -> None:
         doc = {"format": CHECKSUM_FORMAT,
