@@ -373,3 +373,17 @@ def overlap_staging(rank, ws, root):
         h.wait_staged()
         out["after"] = h.wait().mode
     return out
+
+
+def checksummed_with_empty(rank, ws, root):
+    """``checksums=True`` with a zero-element tensor (written through ``torch.save``, not a
+    frame): the save publishes, verify checks every record's CRC32, and it loads back."""
+    sd = {"w": torch.arange(6.0) + rank, "empty": torch.empty(0), "b": torch.ones(2, 3), "step": 7}
+    path = os.path.join(root, "ck")
+    with solosave.AsyncCheckpointer(checksums=True) as ckpt:
+        result = ckpt.save(sd, path).wait(timeout=60)
+    report = solosave.verify_checkpoint(path)
+    back = {"w": torch.zeros(6), "empty": torch.empty(0), "b": torch.zeros(2, 3), "step": 0}
+    solosave.load(back, path)
+    return (result.published, report.ok, report.checksums, torch.equal(back["w"], sd["w"]),
+            torch.equal(back["b"], sd["b"]), back["step"])

@@ -7,10 +7,11 @@ import zlib
 import pytest
 import torch
 
+import rank_fns
 import solosave
 from solosave._format import checksum_path
 from solosave._write import FileWriter, Record
-from support import dcp_save_local
+from support import dcp_save_local, run_ranks
 
 
 @pytest.fixture()
@@ -134,3 +135,10 @@ def test_verify_checks_the_load_index(ckpt, how, ok):
     rep = solosave.verify_checkpoint(ckpt)
     assert rep.index == how and rep.ok is ok, rep
     assert ok or any("load index" in p for p in rep.problems)
+
+
+def test_checksums_with_a_tensor_written_through_torch_save(tmp_path):
+    """A zero-element tensor has no frame and goes through ``torch.save`` between batches; with
+    checksums its CRC32 was read back from a write-only file (EBADF: the save failed)."""
+    out = run_ranks(rank_fns.checksummed_with_empty, 1, str(tmp_path))
+    assert out == [(True, True, "verified", True, True, 7)]
