@@ -214,13 +214,14 @@ class Engine:
         if plan.drift:
             return Status.DRIFT, list(plan.drift), None, None
         staged = {it.spec.key: it for it in job.staged.items}
+        placed = plan.placed()
         try:
             files = [(rel, [staged[p.key] for p in items]) for rel, items in plan.layout]
-            pad = {p.key: p.length for p in plan.placed() if staged[p.key].payload is not None}
+            pad = {p.key: p.length for p in placed if staged[p.key].payload is not None}
             results = self.write(job, files, pad, timings)
         except Exception as e:  # noqa: BLE001 - becomes status FAILED on every rank
             return Status.FAILED, [], None, describe(e)
-        drifts = check_layout(plan.placed(), results)
+        drifts = check_layout(placed, results)
         return (Status.DRIFT if drifts else Status.OK), drifts, results, None
 
     def _index_beside(self, job: SaveJob, prepared: Any, save_id: str) -> threading.Thread | None:

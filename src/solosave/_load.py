@@ -291,7 +291,7 @@ def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: Safe
         try:
             error, loaded = _local(state_dict, reader, planner, rank, idx), True
         finally:
-            _closed(idx)
+            idx.close()
     if not distributed:
         if error is not None:
             raise error
@@ -341,12 +341,6 @@ def _open_index(path: str | os.PathLike) -> LoadIndex | None:
     except OSError as e:
         log.warning("solosave.load: cannot read the load index of %s (%s); reading the whole %s",
                     os.fspath(path), e, METADATA_FILE)
-    return None
-
-
-def _closed(idx: LoadIndex | None) -> None:
-    if idx is not None:
-        idx.close()
     return None
 
 
