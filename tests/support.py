@@ -227,3 +227,24 @@ def dcp_save_local(state_dict: Any, **kwargs: Any) -> None:
     if "no_dist" in inspect.signature(dcp.save).parameters:
         kwargs["no_dist"] = True
     dcp.save(state_dict, **kwargs)
+
+
+def publish_with_index(directory: Any, md: Any = None) -> str:
+    """Write ``md`` (default: the ``.metadata`` already there) as ``.metadata`` with its load
+    index beside it, as a solosave save publishes them; returns the save_id."""
+    import pickle
+    import uuid
+
+    from solosave._format import INDEX_FILE, METADATA_FILE
+    from solosave._index import body_from_metadata, render
+    from solosave._publish import MetadataTemplate
+
+    if md is None:
+        with open(os.path.join(directory, METADATA_FILE), "rb") as f:
+            md = pickle.load(f)
+    template, save_id = MetadataTemplate(md), str(uuid.uuid4())
+    with open(os.path.join(directory, INDEX_FILE), "wb") as f:
+        f.write(render(body_from_metadata(md), template, str(directory), save_id))
+    with open(os.path.join(directory, METADATA_FILE), "wb") as f:
+        f.write(template.render(str(directory), save_id))
+    return save_id

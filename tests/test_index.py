@@ -3,7 +3,6 @@
 damaged (the loader then reads ``.metadata``), and used by ``solosave.load`` at any world size."""
 
 import logging
-import os
 import pickle
 import uuid
 
@@ -18,25 +17,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from solosave._format import INDEX_FILE, METADATA_FILE
-from solosave._index import body_from_metadata, render
 from solosave._lookup import IndexUnusable, LoadIndex, wanted_of
 from solosave._publish import MetadataTemplate
-from support import dcp_save_local, run_ranks
+from support import dcp_save_local, publish_with_index, run_ranks
 
 try:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 except ImportError:  # pragma: no cover
     from torch.distributed.checkpoint._storage_utils import _StorageInfo
-
-
-def _publish_with_index(directory, md: Metadata) -> str:
-    """Write ``md`` as ``.metadata`` and its index, as a solosave save does; the save_id."""
-    template, save_id = MetadataTemplate(md), str(uuid.uuid4())
-    with open(os.path.join(directory, INDEX_FILE), "wb") as f:
-        f.write(render(body_from_metadata(md), template, str(directory), save_id))
-    with open(os.path.join(directory, METADATA_FILE), "wb") as f:
-        f.write(template.render(str(directory), save_id))
-    return save_id
 
 
 def _stock(tmp_path) -> Metadata:
@@ -49,7 +37,7 @@ def _stock(tmp_path) -> Metadata:
 
 def test_the_index_holds_exactly_what_metadata_holds(tmp_path):
     md = _stock(tmp_path)
-    _publish_with_index(tmp_path, md)
+    publish_with_index(tmp_path, md)
     with LoadIndex.open(tmp_path) as idx:
         got = idx.metadata_for({k: None for k in md.state_dict_metadata} | {"absent": None})
     assert got.state_dict_metadata == md.state_dict_metadata
@@ -72,7 +60,7 @@ def _grid(tmp_path) -> Metadata:
 
 def test_a_lookup_returns_the_chunks_its_boxes_touch_and_reads_only_their_rows(tmp_path):
     md = _grid(tmp_path)
-    _publish_with_index(tmp_path, md)
+    publish_with_index(tmp_path, md)
     with LoadIndex.open(tmp_path) as idx:
         full = idx.bytes_read
         got = idx.metadata_for({"g": [((4, 1), (2, 2))], "v": [((0,), (3,))]})
@@ -96,7 +84,7 @@ def test_boxes_of_a_state_dict():
 
 def _damage(tmp_path, how):
     md = _stock(tmp_path)
-    _publish_with_index(tmp_path, md)
+    publish_with_index(tmp_path, md)
     index, meta = tmp_path / INDEX_FILE, tmp_path / METADATA_FILE
     data = index.read_bytes()
     if how == "other save":  # the same metadata published again by another save: another save_id
@@ -132,7 +120,7 @@ def test_solosave_load_reads_metadata_when_the_index_is_stale(tmp_path, caplog, 
     import solosave
 
     md = _stock(tmp_path)
-    _publish_with_index(tmp_path, md)
+    publish_with_index(tmp_path, md)
     new = {"w": torch.full((6, 4), 2.0), "half": torch.arange(10, dtype=torch.float16) * 3, "n": {"k": 4, "s": "y"},
            "i": torch.tensor(8), "e": torch.zeros(0, 3), "q": torch.zeros(2, dtype=torch.bool)}
     dcp_save_local(new, checkpoint_id=str(tmp_path))  # stock DCP saves over it; our index stays behind

@@ -13,10 +13,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 import solosave
-from solosave import _read
+from solosave import CorruptCheckpointError, _load, _read
 from solosave._load import SafeFileSystemReader, SafeLoadPlanner
 from solosave._record import RecordCache, parse_tensor_record
-from support import dcp_save_local, zeros_like
+from support import dcp_save_local, publish_with_index, zeros_like
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
@@ -169,6 +169,11 @@ def test_other_record_forms_take_the_general_path(tmp_path):
     stats = _read.read_items(tmp_path, items, storage, _Planner(targets))
     assert stats.general == 2
     assert torch.equal(targets["legacy"], legacy[1:]) and torch.equal(targets["param"], param.detach())
+    whole = torch.zeros(3, 4)  # a whole read of such a record takes the same path
+    planner = _Planner({})
+    stats = _read.read_items(tmp_path, [], {}, planner, [(_read.WholeRead("legacy", whole),
+                                                          storage[MetadataIndex("legacy")])])
+    assert stats.general == 1 and torch.equal(whole, legacy) and planner.committed == []
 
 
 def test_records_of_equal_size_and_different_dtype_share_no_layout():
@@ -252,3 +257,118 @@ def test_targets_written_in_place_are_marked_modified(tmp_path):
     before = {k: v._version for k, v in sd.items()}
     solosave.load(sd, tmp_path / "ck")
     assert all(sd[k]._version > before[k] for k in sd)  # autograd sees the in-place write
+
+
+# -- whole reads: plain tensors of a checkpoint with a load index, planned without DCP's planner ----
+
+def _spy_reads(monkeypatch):
+    """Record what each ``read_items`` call of ``solosave.load`` got, and its stats."""
+    calls = []
+
+    def spy(directory, items, storage_data, planner, whole=()):
+        stats = _read.read_items(directory, items, storage_data, planner, whole)
+        calls.append({"items": [(i.storage_index.fqn, i.type) for i in items], "whole": [w.fqn for w, _ in whole],
+                      "stats": stats})
+        return stats
+
+    monkeypatch.setattr(_load, "read_items", spy)
+    return calls
+
+
+@pytest.mark.parametrize("n", [5, 140_000], ids=["spans", "direct"])
+def test_an_indexed_checkpoint_reads_its_plain_tensors_whole_and_bit_exact(tmp_path, monkeypatch, n):
+    sd = _state(n)
+    sd["nested"] = {"p": torch.nn.Parameter(torch.randn(7, 3)), "list": [torch.arange(4)]}
+    ck = str(tmp_path / "ck")
+    dcp_save_local(sd, checkpoint_id=ck)
+    publish_with_index(ck)  # as a solosave save publishes it
+    got = _zeros(sd)
+    got["nested"]["p"] = torch.nn.Parameter(torch.zeros(7, 3))
+    got["m0"] = torch.zeros(3, 4, dtype=torch.float64)  # another dtype: converted, as DCP does
+    versions = {k: v._version for k, v in got.items() if isinstance(v, torch.Tensor)}
+    calls = _spy_reads(monkeypatch)
+    solosave.load(got, ck)
+    for k, v in sd.items():
+        if k == "m0":
+            assert torch.equal(got[k], v.double()), k
+        elif k == "nested":
+            assert _same(got[k]["p"].detach(), v["p"].detach()) and got[k]["p"].requires_grad
+            assert _same(got[k]["list"][0], v["list"][0])
+        elif k == "meta":
+            assert got[k] == v
+        else:
+            assert _same(got[k], v), k
+    assert all(got[k]._version > versions[k] for k in versions if got[k].numel())  # autograd sees the write
+    (call,) = calls
+    tensors = {k for k, v in sd.items() if isinstance(v, torch.Tensor)} | {"nested.p", "nested.list.0"}
+    assert set(call["whole"]) == tensors and len(call["whole"]) == len(tensors)
+    assert call["items"] and all(t == LoadItemType.BYTE_IO for _, t in call["items"])  # DCP planned the rest
+    st = call["stats"]
+    assert st.converted >= len(DTYPES) + 1 and st.general == 0  # transposed targets, m0
+    if n > 5:
+        assert st.direct >= len(DTYPES)
+
+
+def test_whole_reads_keep_dcps_errors_and_custom_planners(tmp_path, monkeypatch):
+    ck = str(tmp_path / "ck")
+    sd = {"w": torch.randn(6, 4), "b": torch.randn(4)}
+    dcp_save_local(sd, checkpoint_id=ck)
+    publish_with_index(ck)
+    calls = _spy_reads(monkeypatch)
+    with pytest.raises(ValueError, match="Size mismatch between saved"):
+        solosave.load({"w": torch.zeros(5, 4), "b": torch.zeros(4)}, ck)
+    with pytest.raises(RuntimeError, match="Missing key in checkpoint state_dict: extra"):
+        solosave.load({"w": torch.zeros(6, 4), "extra": torch.zeros(2)}, ck)
+
+    class Shifting(SafeLoadPlanner):  # resolves tensors itself: every item goes through it
+        def resolve_tensor(self, read_item):
+            self.resolved = getattr(self, "resolved", 0) + 1
+            return super().resolve_tensor(read_item)
+
+    planner, got = Shifting(), {"w": torch.zeros(6, 4), "b": torch.zeros(4)}
+    calls.clear()
+    solosave.load(got, ck, planner=planner)
+    assert torch.equal(got["w"], sd["w"]) and torch.equal(got["b"], sd["b"])
+    assert calls[-1]["whole"] == [] and planner.resolved == 2
+
+
+def test_a_record_of_another_shape_than_its_index_says_is_refused(tmp_path):
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    ck = tmp_path / "ck"
+    dcp_save_local({"w": torch.randn(6, 4)}, checkpoint_id=str(ck))
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    tmd = md.state_dict_metadata["w"]
+    tmd.size = torch.Size([5, 4])  # crafted: the record holds 6 x 4
+    tmd.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([5, 4]))]
+    publish_with_index(ck, md)
+    with pytest.raises(CorruptCheckpointError, match=r"'w' holds a tensor of size \[6, 4\].*index says \[5, 4\]"):
+        solosave.load({"w": torch.zeros(5, 4)}, ck)
+
+
+@pytest.mark.parametrize("how", ["one-read", "batches", "short-reads"])
+def test_direct_chunks_are_read_in_few_preadvs(tmp_path, monkeypatch, how):
+    sd = {f"w{i}": torch.randn(40_000 + i) for i in range(10)}  # 160 KB records: read directly
+    ck = str(tmp_path / "ck")
+    dcp_save_local(sd, checkpoint_id=ck)
+    publish_with_index(ck)
+    if how == "batches":
+        monkeypatch.setattr(_read, "IOV_BATCH", 3)  # two chunks (and the gap between) per preadv
+    if how == "short-reads":
+        real = _read.os.preadv
+        monkeypatch.setattr(_read.os, "preadv", lambda fd, bufs, off: min(real(fd, bufs, off), 5000))
+    calls = _spy_reads(monkeypatch)
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    solosave.load(got, ck)
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    st = calls[-1]["stats"]
+    assert st.direct == 10 and st.files == 1
+    heads_and_tails = 2 * 10
+    if how == "one-read":
+        assert st.reads == heads_and_tails + 1
+    elif how == "batches":
+        assert st.reads == heads_and_tails + 5
+    else:  # the batch came back short: every chunk read on its own, in pieces
+        assert st.reads > heads_and_tails + 10

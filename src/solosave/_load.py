@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.futures import Future
 
 from ._coordinate import DistChannel
@@ -46,7 +46,7 @@ from ._errors import CorruptCheckpointError, PreparedMetadataError, UnsafeMetada
 from ._format import METADATA_FILE, check_ranges
 from ._layout import gc_paused
 from ._lookup import IndexUnusable, LoadIndex, wanted_of
-from ._read import ReadStats, read_items
+from ._read import ReadStats, WholeRead, read_items
 from ._safe_pickle import safe_loads
 from ._storage import DcpFileSystem, is_url, read_checkpoint_metadata, storage_for
 
@@ -86,16 +86,21 @@ class SafeFileSystemReader(FileSystemReader):
     raises :class:`~solosave.CorruptCheckpointError` instead of yielding garbage), then reads
     them in one pass per file (:mod:`solosave._read`)."""
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
+    def read_data(self, plan: Any, planner: Any, whole: Sequence[tuple[WholeRead, Any]] = ()) -> Any:
+        """DCP's interface; ``whole``: reads planned without DCP's planner (``(WholeRead,
+        storage entry)``, :func:`_load_local` with a load index; needs ``fast_read``)."""
         needed = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
+        needed.update((MetadataIndex(read.fqn), info) for read, info in whole)
         problems = check_ranges(self.path, needed)
         if problems:
             raise CorruptCheckpointError(
                 f"checkpoint {os.fspath(self.path)} is damaged: {'; '.join(problems)}. Load an "
                 "earlier checkpoint; `solosave verify` lists every problem.", problems)
         if not self.fast_read or any(getattr(info, "transform_descriptors", None) for info in needed.values()):
+            if whole:
+                raise AssertionError("internal: whole reads need the fast read path")
             return super().read_data(plan, planner)  # DCP's own path (stream transforms)
-        self.last_read_stats = read_items(self.path, plan.items, self.storage_data, planner)
+        self.last_read_stats = read_items(self.path, plan.items, self.storage_data, planner, whole)
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -370,18 +375,29 @@ def _load_local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planne
     keys = sorted(state_dict)
     stateful = {k for k in keys if _is_stateful(state_dict[k])}
     sd = {k: state_dict[k].state_dict() if k in stateful else state_dict[k] for k in keys}
+    whole: list[tuple[WholeRead, Any]] = []
     if index is not None:
         planner.set_up_planner(sd, _EMPTY, rank == 0)  # flattens: the keys to look up
+        flat = planner.state_dict
+        if reader.fast_read and _reads_in_place(planner):
+            whole = _whole_reads(flat, index)
+        if whole:  # DCP's planner plans the rest only (it reads planner.state_dict)
+            done = {read.fqn for read, _ in whole}
+            planner.state_dict = {k: v for k, v in flat.items() if k not in done}
         reader.metadata = index.metadata_for(wanted_of(planner.state_dict))
         planner.metadata = reader.metadata
         md = reader.read_metadata()
     else:
         md = reader.read_metadata()
         planner.set_up_planner(sd, md, rank == 0)
-    reader.set_up_storage_reader(md, rank == 0)
-    plan = reader.prepare_local_plan(planner.create_local_plan())
-    plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
-    reader.read_data(planner.finish_plan(plan), planner).wait()
+        flat = planner.state_dict
+    try:
+        reader.set_up_storage_reader(md, rank == 0)
+        plan = reader.prepare_local_plan(planner.create_local_plan())
+        plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
+        reader.read_data(planner.finish_plan(plan), planner, whole).wait()
+    finally:
+        planner.state_dict = flat
     for k in keys:
         if k in stateful:
             state_dict[k].load_state_dict(sd[k])
@@ -390,6 +406,31 @@ def _load_local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planne
 
 
 _EMPTY = Metadata(state_dict_metadata={})
+
+
+def _reads_in_place(planner: Any) -> bool:
+    """Whether ``planner`` plans, resolves and commits tensors as DCP's default load planner
+    does (a plain tensor is read in place, whole when its saved chunk is whole): then such
+    tensors need none of its planning (:func:`_whole_reads`)."""
+    cls = type(planner)
+    return isinstance(planner, DefaultLoadPlanner) and all(
+        getattr(cls, name) is getattr(DefaultLoadPlanner, name)
+        for name in ("create_local_plan", "resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"))
+
+
+def _whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRead, Any]]:
+    """The plain tensors of the flattened state dict ``flat`` that the checkpoint holds as one
+    whole record each (the index says so), with their storage entries: read straight into them,
+    without DCP's per-item planning objects (measured: issue 14, docs/benchmarks.md). DTensors,
+    resharded, resized, absent and non-tensor values are left to DCP's planner."""
+    plain = {k: v for k, v in flat.items() if type(v) in _PLAIN}
+    if not plain:
+        return []
+    found = index.whole_records({k: v.shape for k, v in plain.items()})
+    return [(WholeRead(k, plain[k].detach()), info) for k, info in found.items()]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 _OURS = (CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError)

@@ -175,6 +175,44 @@ class LoadIndex:
                 out[a + i] = raw[i, :width].copy().view(ROW)
         return out
 
+    def whole_records(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+        """The storage entry (``_StorageInfo``) of each key of ``shapes`` that the checkpoint
+        holds as one record of exactly that shape (one chunk at the origin: a plain tensor
+        loaded at the sharding it was saved with). The keys left out need DCP's planner: absent
+        from the checkpoint, of another size, sharded, or not tensors. Reads the row block of
+        chunk 0 of each group involved (the same block :meth:`metadata_for` would read)."""
+        out: dict[str, Any] = {}
+        whole: dict[int, tuple[list[int], list[tuple[int, int, int]]] | None] = {}
+        files = self.files
+        try:
+            for fqn, shape in shapes.items():
+                e = self.keys.get(fqn)
+                if e is None or e[0] != "t" or e[4] != list(shape):
+                    continue
+                g = int(e[1])
+                if g not in whole:
+                    whole[g] = self._whole_group(g)
+                got = whole[g]
+                if got is None or got[0] != e[4]:
+                    continue
+                f, offset, length = got[1][int(e[2])]
+                out[fqn] = _StorageInfo(files[f], offset, length)
+        except IndexUnusable:
+            raise
+        except (ValueError, KeyError, IndexError, TypeError) as err:
+            raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: corrupt ({err!r})") from err
+        return out
+
+    def _whole_group(self, g: int) -> tuple[list[int], list[tuple[int, int, int]]] | None:
+        """Group ``g``'s chunk size and rows (file, offset, length per key) if it has exactly
+        one chunk, at the origin; ``None`` otherwise."""
+        if int(self.groups[g][0]) != 1:
+            return None
+        offs, sizes = self.geometry(g)
+        if offs.any():
+            return None
+        return sizes[0].tolist(), self._rows(g, np.zeros(1, np.int64))[0].tolist()
+
     def metadata_for(self, wanted: Wanted) -> Metadata:
         """A DCP ``Metadata`` with the keys of ``wanted`` that the checkpoint has, each with the
         saved chunks that overlap the requested boxes (DCP's planner reads exactly those), and

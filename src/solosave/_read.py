@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from ._errors import CorruptCheckpointError, UnsafeMetadataError
-from ._record import RecordCache, TensorLayout, parse_tensor_record
+from ._record import RecordCache, Region, TensorLayout, parse_tensor_record
 
 #: A tensor record at least this long is read on its own, its payload straight into the target.
 #: Below it, copying from a coalesced span costs less than the record's own three reads.
@@ -47,6 +48,10 @@ SPAN_BYTES = 16 << 20
 GAP_MAX = 64 << 10
 #: Bytes read from each end of a large record to decode it (its zip headers and ``data.pkl``).
 PEEK = 4096
+#: At most this many buffers, and about this many bytes, per ``preadv`` of direct chunks (Linux
+#: takes up to 1024 buffers, and returns at most about 2 GiB, per call).
+IOV_BATCH = 1024
+BATCH_BYTES = 1 << 30
 
 
 @dataclass
@@ -63,6 +68,28 @@ class ReadStats:
     byte_items: int = 0       # BYTE_IO items handed to ``planner.load_bytes``
 
 
+@dataclass(frozen=True, slots=True)
+class WholeRead:
+    """A read that DCP's planner did not plan: the whole record of ``fqn`` into ``target``, a
+    plain tensor of the saved shape (:meth:`solosave._lookup.LoadIndex.whole_records` found the
+    record). It answers what the read path asks of a DCP ``ReadItem``."""
+
+    fqn: str
+    target: torch.Tensor
+
+    @property
+    def storage_index(self) -> MetadataIndex:
+        return MetadataIndex(self.fqn)
+
+    @property
+    def storage_offsets(self) -> tuple[int, ...]:
+        return (0,) * self.target.dim()
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(self.target.shape)
+
+
 @dataclass
 class _Record:
     offset: int
@@ -71,10 +98,15 @@ class _Record:
     items: list[Any] = field(default_factory=list)
 
 
-def _records_by_file(items: Sequence[Any], storage_data: Mapping[Any, Any]) -> dict[str, list[_Record]]:
-    """Each file's records (one per storage index, with the read items it serves), by offset."""
+def _records_by_file(items: Sequence[Any], storage_data: Mapping[Any, Any],
+                     whole: Sequence[tuple[WholeRead, Any]] = ()) -> dict[str, list[_Record]]:
+    """Each file's records (one per storage index, with the read items it serves, and one per
+    whole read), by offset."""
     by_index: dict[Any, _Record] = {}
     files: dict[str, list[_Record]] = {}
+    for read, info in whole:
+        files.setdefault(info.relative_path, []).append(
+            _Record(int(info.offset), int(info.length), True, [read]))
     for item in items:
         rec = by_index.get(item.storage_index)
         if rec is None:
@@ -100,6 +132,17 @@ def _pread_into(fd: int, address: int, n: int, offset: int, stats: ReadStats) ->
                                          "(it changed while being loaded)")
         done += got
     stats.bytes_read += n
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A chunk to read straight into its target: ``n`` bytes at ``offset`` of the file."""
+
+    offset: int
+    n: int
+    address: int
+    target: torch.Tensor
+    item: Any
 
 
 class _FileRecord:
@@ -169,6 +212,9 @@ class _Loader:
         self.cache = RecordCache()
         self._span: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
+        self._regions: dict[int, tuple[TensorLayout, Region]] = {}
+        self._queued: list[_Queued] = []
+        self._gap = memoryview(bytearray(GAP_MAX))
 
     def _buffer(self, which: str, n: int, pinned: bool = False) -> torch.Tensor:
         buf = getattr(self, which)
@@ -196,6 +242,41 @@ class _Loader:
             span.append(rec)
             end = max(end, rec.offset + rec.length)
         self._flush(fd, span, end)
+        self._read_queued(fd)
+
+    def _read_queued(self, fd: int) -> None:
+        """Read the direct chunks queued for file ``fd``, in offset order, with one ``preadv``
+        per run of chunks less than ``GAP_MAX`` apart (the bytes between them, record headers,
+        go to a scratch buffer), then commit them. Reading them after the file's records are
+        decoded keeps the decoding's Python work out of the caches the copies sweep (measured:
+        issue 14, docs/benchmarks.md)."""
+        queue = sorted(self._queued, key=lambda q: q.offset)
+        self._queued = []
+        i = 0
+        while i < len(queue):
+            j, start, pos, iov = i, queue[i].offset, queue[i].offset, []
+            while j < len(queue) and len(iov) < IOV_BATCH - 1 and pos - start < BATCH_BYTES:
+                q = queue[j]
+                gap = q.offset - pos
+                if gap < 0 or gap > GAP_MAX:
+                    break
+                if gap:
+                    iov.append(self._gap[:gap])
+                iov.append((ctypes.c_char * q.n).from_address(q.address))
+                pos = q.offset + q.n
+                j += 1
+            got = os.preadv(fd, iov, start)
+            self.stats.reads += 1
+            if got == pos - start:
+                self.stats.bytes_read += got
+            else:  # a short read: chunk by chunk (raises where the file ends too early)
+                for q in queue[i:j]:
+                    _pread_into(fd, q.address, q.n, q.offset, self.stats)
+            i = j
+        for q in queue:
+            increment_version(q.target)  # written behind autograd's back, as copy_ would have noted
+            self.stats.direct += 1
+            self._commit(q.item, q.target)
 
     def _flush(self, fd: int, span: list[_Record], end: int) -> None:
         if not span:
@@ -223,33 +304,53 @@ class _Loader:
             self._tensor(item, layout, src)
 
     def _target(self, item: Any, size: Sequence[int]) -> torch.Tensor:
-        target = self.planner.resolve_tensor(item).detach()
+        target = item.target if type(item) is WholeRead else self.planner.resolve_tensor(item).detach()
         if tuple(target.size()) != tuple(size):
             raise ValueError(f"the chunk of {item.storage_index.fqn!r} at {list(item.storage_offsets)} has "
                              f"size {list(size)} in the checkpoint but {list(target.size())} in the state dict")
         return target
 
+    def _whole_region(self, read: WholeRead, layout: TensorLayout) -> Region:
+        """All of the saved tensor, which must have the shape the index gave ``read``."""
+        if layout.size != tuple(read.target.shape):
+            raise CorruptCheckpointError(
+                f"the record of {read.fqn!r} holds a tensor of size {list(layout.size)}, but the checkpoint's "
+                f"load index says {list(read.target.shape)}: the checkpoint is damaged. Load an earlier "
+                "checkpoint; `solosave verify` lists every problem.")
+        got = self._regions.get(id(layout))  # the layout is kept in the value: its id stays its own
+        if got is None:
+            got = self._regions[id(layout)] = (layout, layout.region((0,) * len(layout.size), layout.size))
+        return got[1]
+
     def _tensor(self, item: Any, layout: TensorLayout, src: _FileRecord | _SpanRecord) -> None:
-        try:
-            region = layout.region(item.storage_offsets, item.lengths)
-        except ValueError as e:
-            raise ValueError(f"{item.storage_index.fqn!r}: {e}") from None
+        if type(item) is WholeRead:
+            region = self._whole_region(item, layout)
+        else:
+            try:
+                region = layout.region(item.storage_offsets, item.lengths)
+            except ValueError as e:
+                raise ValueError(f"{item.storage_index.fqn!r}: {e}") from None
         target = self._target(item, region.size)
         n = region.hi - region.lo
         if region.numel and region.contiguous and _plain_cpu(target, layout.dtype):
+            if isinstance(src, _FileRecord):  # read with the file's other direct chunks (_read_queued)
+                self._queued.append(_Queued(src.offset + layout.payload_start + region.lo, n,
+                                            target.data_ptr(), target, item))
+                return
             src.place(target.data_ptr(), layout.payload_start + region.lo, n)
             increment_version(target)  # written behind autograd's back, as copy_ would have noted
-            if isinstance(src, _FileRecord):
-                self.stats.direct += 1
-            else:
-                self.stats.copied += 1
+            self.stats.copied += 1
         elif region.numel:
             pinned = target.device.type == "cuda" and torch.cuda.is_available()
             raw = self._buffer("_scratch", n, pinned)
             src.place(raw.data_ptr(), layout.payload_start + region.lo, n)
             target.copy_(raw[:n].view(layout.dtype).as_strided(region.size, region.stride))
             self.stats.converted += 1
-        self.planner.commit_tensor(item, target)
+        self._commit(item, target)
+
+    def _commit(self, item: Any, target: torch.Tensor) -> None:
+        if type(item) is not WholeRead:  # DCP's default planner's commit does nothing
+            self.planner.commit_tensor(item, target)
 
     def _general(self, rec: _Record, data: bytes) -> None:
         """A record in another form: load it as DCP does (``weights_only``), then narrow."""
@@ -266,15 +367,16 @@ class _Loader:
             chunk = _narrow(tensor, item.storage_offsets, item.lengths)
             target = self._target(item, chunk.size())
             target.copy_(chunk)
-            self.planner.commit_tensor(item, target)
+            self._commit(item, target)
 
 
 def read_items(directory: str | os.PathLike, items: Sequence[Any], storage_data: Mapping[Any, Any],
-               planner: Any) -> ReadStats:
+               planner: Any, whole: Sequence[tuple[WholeRead, Any]] = ()) -> ReadStats:
     """Load every DCP ``ReadItem`` of ``items`` from the data files of ``directory`` into
-    ``planner``'s targets (see the module docstring); returns what was done."""
+    ``planner``'s targets, and every ``(WholeRead, storage entry)`` of ``whole`` into its own
+    target, in one pass per file (see the module docstring); returns what was done."""
     loader = _Loader(planner)
-    for rel, records in sorted(_records_by_file(items, storage_data).items()):
+    for rel, records in sorted(_records_by_file(items, storage_data, whole).items()):
         fd = os.open(os.path.join(os.fspath(directory), rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             loader.file(fd, records)
