@@ -46,7 +46,7 @@ from ._errors import CorruptCheckpointError, PreparedMetadataError, UnsafeMetada
 from ._format import METADATA_FILE, check_ranges
 from ._layout import gc_paused
 from ._lookup import IndexUnusable, LoadIndex, wanted_of
-from ._read import ReadStats, WholeRead, read_items
+from ._read import ReadStats, WholeRead, read_items, reads_in_place, whole_reads
 from ._safe_pickle import safe_loads
 from ._storage import DcpFileSystem, is_url, read_checkpoint_metadata, storage_for
 
@@ -379,8 +379,8 @@ def _load_local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planne
     if index is not None:
         planner.set_up_planner(sd, _EMPTY, rank == 0)  # flattens: the keys to look up
         flat = planner.state_dict
-        if reader.fast_read and _reads_in_place(planner):
-            whole = _whole_reads(flat, index)
+        if reader.fast_read and reads_in_place(planner):
+            whole = whole_reads(flat, index)
         if whole:  # DCP's planner plans the rest only (it reads planner.state_dict)
             done = {read.fqn for read, _ in whole}
             planner.state_dict = {k: v for k, v in flat.items() if k not in done}
@@ -395,7 +395,8 @@ def _load_local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planne
         reader.set_up_storage_reader(md, rank == 0)
         plan = reader.prepare_local_plan(planner.create_local_plan())
         plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
-        reader.read_data(planner.finish_plan(plan), planner, whole).wait()
+        plan = planner.finish_plan(plan)
+        (reader.read_data(plan, planner, whole) if whole else reader.read_data(plan, planner)).wait()
     finally:
         planner.state_dict = flat
     for k in keys:
@@ -406,31 +407,6 @@ def _load_local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planne
 
 
 _EMPTY = Metadata(state_dict_metadata={})
-
-
-def _reads_in_place(planner: Any) -> bool:
-    """Whether ``planner`` plans, resolves and commits tensors as DCP's default load planner
-    does (a plain tensor is read in place, whole when its saved chunk is whole): then such
-    tensors need none of its planning (:func:`_whole_reads`)."""
-    cls = type(planner)
-    return isinstance(planner, DefaultLoadPlanner) and all(
-        getattr(cls, name) is getattr(DefaultLoadPlanner, name)
-        for name in ("create_local_plan", "resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"))
-
-
-def _whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRead, Any]]:
-    """The plain tensors of the flattened state dict ``flat`` that the checkpoint holds as one
-    whole record each (the index says so), with their storage entries: read straight into them,
-    without DCP's per-item planning objects (measured: issue 14, docs/benchmarks.md). DTensors,
-    resharded, resized, absent and non-tensor values are left to DCP's planner."""
-    plain = {k: v for k, v in flat.items() if type(v) in _PLAIN}
-    if not plain:
-        return []
-    found = index.whole_records({k: v.shape for k, v in plain.items()})
-    return [(WholeRead(k, plain[k].detach()), info) for k, info in found.items()]
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 _OURS = (CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError)

@@ -6,13 +6,19 @@ the loading thread, after DCP's planning and after the byte ranges were checked)
 :func:`read_items`. Per data file, in file order, the records this rank needs are read:
 
 * a tensor record of at least ``DIRECT_MIN`` bytes: two small reads (its head and tail) to
-  decode it (:mod:`solosave._record`), then its payload is read with one ``preadv`` straight
-  into the target tensor's memory when the target is a CPU tensor of the saved dtype and the
-  requested chunk is contiguous in both (no intermediate copy); otherwise the chunk's bytes go
-  through a reused scratch buffer (pinned for CUDA targets) and ``copy_`` (dtype conversion,
-  resharding along an inner dimension, devices);
+  decode it (:mod:`solosave._record`); its payload is read straight into the target tensor's
+  memory when the target is a CPU tensor of the saved dtype and the requested chunk is
+  contiguous in both (no intermediate copy): after the file's records are decoded, with one
+  ``preadv`` per run of such chunks (the record headers between them go to a scratch buffer).
+  Otherwise the chunk's bytes go through a reused scratch buffer (pinned for CUDA targets) and
+  ``copy_`` (dtype conversion, resharding along an inner dimension, devices);
 * every other record is coalesced with its neighbours into spans of up to ``SPAN_BYTES`` read
   with one ``preadv`` each into a reused buffer, then decoded from memory.
+
+The items come from DCP's planner (``ReadItem``), except where the checkpoint has a load index
+and the planner is DCP's default one (:func:`reads_in_place`): then every plain tensor the
+index shows saved whole, at its shape, is a :class:`WholeRead` (:func:`whole_reads`), planned
+without DCP's per-item objects, and DCP's planner plans the rest.
 
 Security is the same as before: tensor records are decoded without unpickling them
 generically, a record in any other form is loaded as DCP loads it
@@ -33,10 +39,12 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from ._errors import CorruptCheckpointError, UnsafeMetadataError
+from ._lookup import LoadIndex
 from ._record import RecordCache, Region, TensorLayout, parse_tensor_record
 
 #: A tensor record at least this long is read on its own, its payload straight into the target.
@@ -383,3 +391,28 @@ def read_items(directory: str | os.PathLike, items: Sequence[Any], storage_data:
         finally:
             os.close(fd)
     return loader.stats
+
+
+def reads_in_place(planner: Any) -> bool:
+    """Whether ``planner`` plans, resolves and commits tensors as DCP's default load planner
+    does (a plain tensor is read in place, whole when its saved chunk is whole): then such
+    tensors need none of its planning (:func:`whole_reads`)."""
+    cls = type(planner)
+    return isinstance(planner, DefaultLoadPlanner) and all(
+        getattr(cls, name) is getattr(DefaultLoadPlanner, name)
+        for name in ("create_local_plan", "resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"))
+
+
+def whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRead, Any]]:
+    """The plain tensors of the flattened state dict ``flat`` that the checkpoint holds as one
+    whole record each (the index says so), with their storage entries: read straight into them,
+    without DCP's per-item planning objects (measured: issue 14, docs/benchmarks.md). DTensors,
+    resharded, resized, absent and non-tensor values are left to DCP's planner."""
+    plain = {k: v for k, v in flat.items() if type(v) in _PLAIN}
+    if not plain:
+        return []
+    found = index.whole_records({k: v.shape for k, v in plain.items()})
+    return [(WholeRead(k, plain[k].detach()), info) for k, info in found.items()]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
