@@ -187,6 +187,26 @@ def test_records_of_equal_size_and_different_dtype_share_no_layout():
     assert len(cache.templates) == 1  # one zip structure for the three
 
 
+def test_a_record_like_the_last_one_decodes_quickly_and_any_other_byte_is_noticed():
+    def parse(rec, cache):
+        view = memoryview(bytes(rec))
+        return parse_tensor_record(lambda off, n: view[off:off + n], len(view), cache)
+
+    first, second = _saved(torch.rand(8192)), _saved(torch.rand(8192))  # other payload and CRCs
+    cache = RecordCache()
+    layout = parse(first, cache)
+    assert layout is not None and len(cache.quick) == 1
+    cache.templates.clear()  # the next decode can only come from the quick comparison
+    assert parse(second, cache) is layout
+    comment = bytearray(second)
+    comment[-2] = 1  # the end-of-directory record now announces a comment: not a plain record
+    assert parse(comment, cache) is None
+    shape = bytearray(second)
+    at = shape.find(b"data.pkl") + len(b"data.pkl") + 1
+    shape[at:at + 1] = b"\xff"  # a byte after data.pkl's name in its local header: decoded in full again
+    assert parse(shape, cache) is not layout
+
+
 class Evil:
     def __init__(self, marker):
         self.marker = marker
