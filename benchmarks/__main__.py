@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write the scale figures per world size to this file ({'scale': [...]})")
     p.add_argument("--scale-workers", type=int, default=1, help="files per rank in the simulation (default 1)")
     p.add_argument("--scale-layers", type=int, default=22, help="layers of the simulated model (22: 200 tensors)")
-    p.add_argument("--load-reps", type=int, default=7, help="timed loads per method and case (default 7)")
+    p.add_argument("--load-reps", type=int, default=15, help="timed loads per method and case (default 15: medians "
+                   "of 7 of a 35 ms read moved by a third between runs)")
     p.add_argument("--out", default="bench-out", help="scratch + report directory (default bench-out)")
     p.add_argument("--plots", default=None, help="directory for the PNGs (default <out>)")
     p.add_argument("--quick", action="store_true",
