@@ -279,8 +279,6 @@ def test_targets_written_in_place_are_marked_modified(tmp_path):
     assert all(sd[k]._version > before[k] for k in sd)  # autograd sees the in-place write
 
 
-# -- whole reads: plain tensors of a checkpoint with a load index, planned without DCP's planner ----
-
 def _spy_reads(monkeypatch):
     """Record what each ``read_items`` call of ``solosave.load`` got, and its stats."""
     calls = []
@@ -293,63 +291,6 @@ def _spy_reads(monkeypatch):
 
     monkeypatch.setattr(_load, "read_items", spy)
     return calls
-
-
-@pytest.mark.parametrize("n", [5, 140_000], ids=["spans", "direct"])
-def test_an_indexed_checkpoint_reads_its_plain_tensors_whole_and_bit_exact(tmp_path, monkeypatch, n):
-    sd = _state(n)
-    sd["nested"] = {"p": torch.nn.Parameter(torch.randn(7, 3)), "list": [torch.arange(4)]}
-    ck = str(tmp_path / "ck")
-    dcp_save_local(sd, checkpoint_id=ck)
-    publish_with_index(ck)  # as a solosave save publishes it
-    got = _zeros(sd)
-    got["nested"]["p"] = torch.nn.Parameter(torch.zeros(7, 3))
-    got["m0"] = torch.zeros(3, 4, dtype=torch.float64)  # another dtype: converted, as DCP does
-    versions = {k: v._version for k, v in got.items() if isinstance(v, torch.Tensor)}
-    calls = _spy_reads(monkeypatch)
-    solosave.load(got, ck)
-    for k, v in sd.items():
-        if k == "m0":
-            assert torch.equal(got[k], v.double()), k
-        elif k == "nested":
-            assert _same(got[k]["p"].detach(), v["p"].detach()) and got[k]["p"].requires_grad
-            assert _same(got[k]["list"][0], v["list"][0])
-        elif k == "meta":
-            assert got[k] == v
-        else:
-            assert _same(got[k], v), k
-    assert all(got[k]._version > versions[k] for k in versions if got[k].numel())  # autograd sees the write
-    (call,) = calls
-    tensors = {k for k, v in sd.items() if isinstance(v, torch.Tensor)} | {"nested.p", "nested.list.0"}
-    assert set(call["whole"]) == tensors and len(call["whole"]) == len(tensors)
-    assert call["items"] and all(t == LoadItemType.BYTE_IO for _, t in call["items"])  # DCP planned the rest
-    st = call["stats"]
-    assert st.converted >= len(DTYPES) + 1 and st.general == 0  # transposed targets, m0
-    if n > 5:
-        assert st.direct >= len(DTYPES)
-
-
-def test_whole_reads_keep_dcps_errors_and_custom_planners(tmp_path, monkeypatch):
-    ck = str(tmp_path / "ck")
-    sd = {"w": torch.randn(6, 4), "b": torch.randn(4)}
-    dcp_save_local(sd, checkpoint_id=ck)
-    publish_with_index(ck)
-    calls = _spy_reads(monkeypatch)
-    with pytest.raises(ValueError, match="Size mismatch between saved"):
-        solosave.load({"w": torch.zeros(5, 4), "b": torch.zeros(4)}, ck)
-    with pytest.raises(RuntimeError, match="Missing key in checkpoint state_dict: extra"):
-        solosave.load({"w": torch.zeros(6, 4), "extra": torch.zeros(2)}, ck)
-
-    class Shifting(SafeLoadPlanner):  # resolves tensors itself: every item goes through it
-        def resolve_tensor(self, read_item):
-            self.resolved = getattr(self, "resolved", 0) + 1
-            return super().resolve_tensor(read_item)
-
-    planner, got = Shifting(), {"w": torch.zeros(6, 4), "b": torch.zeros(4)}
-    calls.clear()
-    solosave.load(got, ck, planner=planner)
-    assert torch.equal(got["w"], sd["w"]) and torch.equal(got["b"], sd["b"])
-    assert calls[-1]["whole"] == [] and planner.resolved == 2
 
 
 def test_a_record_of_another_shape_than_its_index_says_is_refused(tmp_path):

@@ -45,8 +45,9 @@ from ._coordinate import DistChannel
 from ._errors import CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError
 from ._format import METADATA_FILE, check_ranges
 from ._layout import gc_paused
+from ._load_plan import WholeRead, planning_the_rest, reads_in_place, whole_reads
 from ._lookup import IndexUnusable, LoadIndex, wanted_of
-from ._read import ReadStats, WholeRead, read_items, reads_in_place, whole_reads
+from ._read import ReadStats, read_items
 from ._safe_pickle import safe_loads
 from ._storage import DcpFileSystem, is_url, read_checkpoint_metadata, storage_for
 
@@ -378,27 +379,21 @@ def _load_local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planne
     whole: list[tuple[WholeRead, Any]] = []
     if index is not None:
         planner.set_up_planner(sd, _EMPTY, rank == 0)  # flattens: the keys to look up
-        flat = planner.state_dict
         if reader.fast_read and reads_in_place(planner):
-            whole = whole_reads(flat, index)
-        if whole:  # DCP's planner plans the rest only (it reads planner.state_dict)
-            done = {read.fqn for read, _ in whole}
-            planner.state_dict = {k: v for k, v in flat.items() if k not in done}
-        reader.metadata = index.metadata_for(wanted_of(planner.state_dict))
-        planner.metadata = reader.metadata
-        md = reader.read_metadata()
-    else:
-        md = reader.read_metadata()
-        planner.set_up_planner(sd, md, rank == 0)
-        flat = planner.state_dict
-    try:
+            whole = whole_reads(planner.state_dict, index)
+    with planning_the_rest(planner, whole):
+        if index is not None:
+            reader.metadata = index.metadata_for(wanted_of(planner.state_dict))
+            planner.metadata = reader.metadata
+            md = reader.read_metadata()
+        else:
+            md = reader.read_metadata()
+            planner.set_up_planner(sd, md, rank == 0)
         reader.set_up_storage_reader(md, rank == 0)
         plan = reader.prepare_local_plan(planner.create_local_plan())
         plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
         plan = planner.finish_plan(plan)
         (reader.read_data(plan, planner, whole) if whole else reader.read_data(plan, planner)).wait()
-    finally:
-        planner.state_dict = flat
     for k in keys:
         if k in stateful:
             state_dict[k].load_state_dict(sd[k])

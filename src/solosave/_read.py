@@ -16,9 +16,13 @@ the loading thread, after DCP's planning and after the byte ranges were checked)
   with one ``preadv`` each into a reused buffer, then decoded from memory.
 
 The items come from DCP's planner (``ReadItem``), except where the checkpoint has a load index
-and the planner is DCP's default one (:func:`reads_in_place`): then every plain tensor the
-index shows saved whole, at its shape, is a :class:`WholeRead` (:func:`whole_reads`), planned
-without DCP's per-item objects, and DCP's planner plans the rest.
+and the planner is DCP's default one: then every plain tensor the index shows saved whole, at
+its shape, is a :class:`~solosave._load_plan.WholeRead` (:mod:`solosave._load_plan`), planned
+without DCP's per-item objects, and DCP's planner plans the rest. Direct reads wait for the end
+of their file if they are whole reads or the planner's ``commit_tensor`` does nothing (DCP's
+default); otherwise each chunk is read and committed in turn, as DCP does. A write into a storage
+that a waiting read also fills lets the waiting reads go first: aliased targets end as file
+order leaves them, as with DCP.
 
 Security is the same as before: tensor records are decoded without unpickling them
 generically, a record in any other form is loaded as DCP loads it
@@ -40,11 +44,10 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from ._errors import CorruptCheckpointError, UnsafeMetadataError
-from ._lookup import LoadIndex
+from ._load_plan import WholeRead
 from ._record import RecordCache, Region, TensorLayout, parse_tensor_record
 
 #: A tensor record at least this long is read on its own, its payload straight into the target.
@@ -74,28 +77,6 @@ class ReadStats:
     converted: int = 0        # chunks through the scratch buffer and ``copy_``
     general: int = 0          # tensor records loaded with ``torch.load(weights_only=True)``
     byte_items: int = 0       # BYTE_IO items handed to ``planner.load_bytes``
-
-
-@dataclass(frozen=True, slots=True)
-class WholeRead:
-    """A read that DCP's planner did not plan: the whole record of ``fqn`` into ``target``, a
-    plain tensor of the saved shape (:meth:`solosave._lookup.LoadIndex.whole_records` found the
-    record). It answers what the read path asks of a DCP ``ReadItem``."""
-
-    fqn: str
-    target: torch.Tensor
-
-    @property
-    def storage_index(self) -> MetadataIndex:
-        return MetadataIndex(self.fqn)
-
-    @property
-    def storage_offsets(self) -> tuple[int, ...]:
-        return (0,) * self.target.dim()
-
-    @property
-    def lengths(self) -> tuple[int, ...]:
-        return tuple(self.target.shape)
 
 
 @dataclass
@@ -197,6 +178,14 @@ class _SpanRecord:
         return bytes(self.view[self.base:self.base + self.length])
 
 
+def _storage_of(t: torch.Tensor) -> int:
+    """Where ``t``'s storage starts (-1: none to compare, e.g. a tensor subclass without one)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1
+
+
 def _plain_cpu(target: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether bytes of ``dtype`` can be written straight into ``target``'s memory."""
     return (type(target) is torch.Tensor and target.device.type == "cpu" and target.dtype == dtype
@@ -222,6 +211,9 @@ class _Loader:
         self._scratch: torch.Tensor | None = None
         self._regions: dict[int, tuple[TensorLayout, Region]] = {}
         self._queued: list[_Queued] = []
+        self._queued_storages: set[int] = set()
+        self._defer = _commits_nothing(planner)  # else each chunk is read, then committed, in turn
+        self._fd = -1
         self._gap = memoryview(bytearray(GAP_MAX))
 
     def _buffer(self, which: str, n: int, pinned: bool = False) -> torch.Tensor:
@@ -234,6 +226,7 @@ class _Loader:
     def file(self, fd: int, records: list[_Record]) -> None:
         """Read and decode ``records`` (sorted by offset) of the open data file ``fd``."""
         self.stats.files += 1
+        self._fd = fd
         span: list[_Record] = []
         end = 0
         for rec in records:
@@ -252,6 +245,16 @@ class _Loader:
         self._flush(fd, span, end)
         self._read_queued(fd)
 
+    def _queue(self, q: _Queued) -> None:
+        self._queued.append(q)
+        self._queued_storages.add(_storage_of(q.target))
+
+    def _before_write(self, target: torch.Tensor) -> None:
+        """A write that is not queued comes after the queued reads into the same storage (they
+        are earlier in the file): what aliased targets end with is what file order gives."""
+        if self._queued and _storage_of(target) in self._queued_storages:
+            self._read_queued(self._fd)
+
     def _read_queued(self, fd: int) -> None:
         """Read the direct chunks queued for file ``fd``, in offset order, with one ``preadv``
         per run of chunks less than ``GAP_MAX`` apart (the bytes between them, record headers,
@@ -260,6 +263,7 @@ class _Loader:
         issue 14, docs/benchmarks.md)."""
         queue = sorted(self._queued, key=lambda q: q.offset)
         self._queued = []
+        self._queued_storages.clear()
         i = 0
         while i < len(queue):
             j, start, pos, iov = i, queue[i].offset, queue[i].offset, []
@@ -341,17 +345,22 @@ class _Loader:
         target = self._target(item, region.size)
         n = region.hi - region.lo
         if region.numel and region.contiguous and _plain_cpu(target, layout.dtype):
-            if isinstance(src, _FileRecord):  # read with the file's other direct chunks (_read_queued)
-                self._queued.append(_Queued(src.offset + layout.payload_start + region.lo, n,
-                                            target.data_ptr(), target, item))
+            if isinstance(src, _FileRecord) and (self._defer or type(item) is WholeRead):
+                self._queue(_Queued(src.offset + layout.payload_start + region.lo, n, target.data_ptr(),
+                                    target, item))
                 return
+            self._before_write(target)
             src.place(target.data_ptr(), layout.payload_start + region.lo, n)
             increment_version(target)  # written behind autograd's back, as copy_ would have noted
-            self.stats.copied += 1
+            if isinstance(src, _FileRecord):
+                self.stats.direct += 1
+            else:
+                self.stats.copied += 1
         elif region.numel:
             pinned = target.device.type == "cuda" and torch.cuda.is_available()
             raw = self._buffer("_scratch", n, pinned)
             src.place(raw.data_ptr(), layout.payload_start + region.lo, n)
+            self._before_write(target)
             target.copy_(raw[:n].view(layout.dtype).as_strided(region.size, region.stride))
             self.stats.converted += 1
         self._commit(item, target)
@@ -374,6 +383,7 @@ class _Loader:
         for item in rec.items:
             chunk = _narrow(tensor, item.storage_offsets, item.lengths)
             target = self._target(item, chunk.size())
+            self._before_write(target)
             target.copy_(chunk)
             self._commit(item, target)
 
@@ -393,26 +403,8 @@ def read_items(directory: str | os.PathLike, items: Sequence[Any], storage_data:
     return loader.stats
 
 
-def reads_in_place(planner: Any) -> bool:
-    """Whether ``planner`` plans, resolves and commits tensors as DCP's default load planner
-    does (a plain tensor is read in place, whole when its saved chunk is whole): then such
-    tensors need none of its planning (:func:`whole_reads`)."""
-    cls = type(planner)
-    return isinstance(planner, DefaultLoadPlanner) and all(
-        getattr(cls, name) is getattr(DefaultLoadPlanner, name)
-        for name in ("create_local_plan", "resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"))
-
-
-def whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRead, Any]]:
-    """The plain tensors of the flattened state dict ``flat`` that the checkpoint holds as one
-    whole record each (the index says so), with their storage entries: read straight into them,
-    without DCP's per-item planning objects (measured: issue 14, docs/benchmarks.md). DTensors,
-    resharded, resized, absent and non-tensor values are left to DCP's planner."""
-    plain = {k: v for k, v in flat.items() if type(v) in _PLAIN}
-    if not plain:
-        return []
-    found = index.whole_records({k: v.shape for k, v in plain.items()})
-    return [(WholeRead(k, plain[k].detach()), info) for k, info in found.items()]
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+def _commits_nothing(planner: Any) -> bool:
+    """Whether ``planner.commit_tensor`` is DCP's default, which does nothing: then a target
+    needs no commit right after it is filled, and its read may wait (``_Loader._read_queued``)."""
+    return (getattr(type(planner), "commit_tensor", None) is DefaultLoadPlanner.commit_tensor
+            and "commit_tensor" not in getattr(planner, "__dict__", {}))

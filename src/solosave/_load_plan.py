@@ -1,0 +1,93 @@
+"""Which reads of a load need no DCP planning: with a load index (:mod:`solosave._lookup`) and
+a planner that plans, resolves and commits as DCP's default load planner does
+(:func:`reads_in_place`), every plain tensor of the state dict that the checkpoint holds as one
+whole record of its shape is a :class:`WholeRead` (:func:`whole_reads`), read straight into the
+tensor by :mod:`solosave._read`; DCP's planner plans the rest (:func:`planning_the_rest`).
+
+Called by :func:`solosave._load._load_local` on every loading rank, alone, before DCP's planning.
+Measured: docs/benchmarks.md, section 4 (issue 14).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from ._lookup import LoadIndex
+
+__all__ = ["WholeRead", "planning_the_rest", "reads_in_place", "whole_reads"]
+
+
+@dataclass(frozen=True, slots=True)
+class WholeRead:
+    """A read that DCP's planner did not plan: the whole record of ``fqn`` into ``target``, a
+    plain tensor of the saved shape (:meth:`solosave._lookup.LoadIndex.whole_records` found the
+    record). It answers what the read path asks of a DCP ``ReadItem``."""
+
+    fqn: str
+    target: torch.Tensor
+
+    @property
+    def storage_index(self) -> MetadataIndex:
+        return MetadataIndex(self.fqn)
+
+    @property
+    def storage_offsets(self) -> tuple[int, ...]:
+        return (0,) * self.target.dim()
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(self.target.shape)
+
+
+_PLANNING = ("create_local_plan", "create_global_plan", "finish_plan", "resolve_tensor", "lookup_tensor",
+             "transform_tensor", "commit_tensor")
+
+
+def reads_in_place(planner: Any) -> bool:
+    """Whether ``planner`` plans, resolves and commits tensors as DCP's default load planner
+    does, neither its class nor the instance overriding a step (a plain tensor is read in place,
+    whole when its saved chunk is whole): then such tensors need none of its planning
+    (:func:`whole_reads`)."""
+    cls, own = type(planner), getattr(planner, "__dict__", {})
+    return isinstance(planner, DefaultLoadPlanner) and all(
+        getattr(cls, name) is getattr(DefaultLoadPlanner, name) and name not in own for name in _PLANNING)
+
+
+@contextmanager
+def planning_the_rest(planner: Any, whole: Sequence[tuple[WholeRead, Any]]) -> Iterator[None]:
+    """While DCP's ``planner`` plans and loads, its ``state_dict`` holds only what ``whole``
+    does not read; then the whole one is back, with what the planner set in the narrowed one
+    meanwhile (``load_bytes`` of an unflattened planner writes into it)."""
+    if not whole:
+        yield
+        return
+    flat = planner.state_dict
+    done = {read.fqn for read, _ in whole}
+    planner.state_dict = {k: v for k, v in flat.items() if k not in done}
+    try:
+        yield
+    finally:
+        flat.update(planner.state_dict)
+        planner.state_dict = flat
+
+
+def whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRead, Any]]:
+    """The plain tensors of the flattened state dict ``flat`` that the checkpoint holds as one
+    whole record each (the index says so), with their storage entries: read straight into them,
+    without DCP's per-item planning objects (measured: issue 14, docs/benchmarks.md). DTensors,
+    resharded, resized, absent and non-tensor values are left to DCP's planner."""
+    plain = {k: v for k, v in flat.items() if type(v) in _PLAIN}
+    if not plain:
+        return []
+    found = index.whole_records({k: v.shape for k, v in plain.items()})
+    return [(WholeRead(k, plain[k].detach()), info) for k, info in found.items()]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
