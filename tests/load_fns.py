@@ -162,3 +162,42 @@ def index_loads(rank: int, ws: int, root: str) -> dict:
     ok = all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES)
     out["mixed"] = (ok and torch.equal(got["p"], want["p"]) and got["step"] == 41, list(calls))
     return out
+
+
+def same_sharding_loads(rank: int, ws: int, root: str) -> dict:
+    """Save the DTensor state (and a replicated DTensor ``r``) with solosave at this world size,
+    then load it back at the same sharding with ``solosave.load`` and stock ``dcp.load``: whether
+    every value came back, and which keys solosave read whole (planned from the load index)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import solosave._load as sl
+
+    def state(values: dict, step: int) -> dict:
+        sd = _state(ws, SAVE_DIM, values, step)
+        sd["r"] = distribute_tensor(values["r"], init_device_mesh("cpu", (ws,)), [Replicate()])
+        return sd
+
+    want = full_tensors() | {"r": torch.arange(300 * 200, dtype=torch.float32).reshape(300, 200)}
+    path = os.path.join(root, "solo")
+    with solosave.AsyncCheckpointer(persistent_worker=False) as ckpt:
+        ckpt.save(state(want, 41), path).wait(timeout=60)
+    whole: list[str] = []
+    real = sl.read_items
+
+    def spy(directory, items, storage_data, planner, reads=()):
+        whole.extend(read.fqn for read, _ in reads)
+        return real(directory, items, storage_data, planner, reads)
+
+    out: dict = {}
+    for how in ("solosave", "dcp"):
+        got = state({k: torch.zeros_like(v) for k, v in want.items()}, 0)
+        sl.read_items = spy
+        try:
+            solosave.load(got, path) if how == "solosave" else dcp.load(got, checkpoint_id=path)
+        finally:
+            sl.read_items = real
+        out[how] = (all(torch.equal(got[k].full_tensor(), want[k]) for k in [*SHAPES, "r"])
+                    and torch.equal(got["p"], want["p"]) and got["step"] == 41)
+    out["whole"] = sorted(whole)
+    return out

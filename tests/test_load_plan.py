@@ -179,3 +179,14 @@ def test_aliased_targets_end_as_stock_dcp_leaves_them(tmp_path, order):
         load(view(t))
         ends.append(t.clone())
     assert torch.equal(ends[0], ends[1]) and torch.equal(ends[0], ends[2])
+
+
+@pytest.mark.timeout(150)
+def test_dtensor_shards_at_the_sharding_they_were_saved_with_are_read_whole(tmp_path):
+    import load_fns
+    from support import run_ranks
+
+    for rank, out in enumerate(run_ranks(load_fns.same_sharding_loads, 2, str(tmp_path), timeout=120)):
+        assert out["solosave"] and out["dcp"], (rank, out)
+        # every DTensor (rows, columns, uneven, replicated) and the plain tensor; "step" is DCP's
+        assert out["whole"] == ["a", "b", "c", "d", "i", "p", "r"], (rank, out["whole"])

@@ -1,8 +1,10 @@
 """Which reads of a load need no DCP planning: with a load index (:mod:`solosave._lookup`) and
 a planner that plans, resolves and commits as DCP's default load planner does
 (:func:`reads_in_place`), every plain tensor of the state dict that the checkpoint holds as one
-whole record of its shape is a :class:`WholeRead` (:func:`whole_reads`), read straight into the
-tensor by :mod:`solosave._read`; DCP's planner plans the rest (:func:`planning_the_rest`).
+whole record of its shape, and every DTensor whose local shard the checkpoint holds as one
+record (the sharding it was saved with), is a :class:`WholeRead` (:func:`whole_reads`), read
+straight into the tensor by :mod:`solosave._read`; DCP's planner plans the rest
+(:func:`planning_the_rest`).
 
 Called by :func:`solosave._load._load_local` on every loading rank, alone, before DCP's planning.
 Measured: docs/benchmarks.md, section 4 (issue 14).
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.tensor import DTensor
 
 from ._lookup import LoadIndex
 
@@ -79,15 +82,29 @@ def planning_the_rest(planner: Any, whole: Sequence[tuple[WholeRead, Any]]) -> I
 
 
 def whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRead, Any]]:
-    """The plain tensors of the flattened state dict ``flat`` that the checkpoint holds as one
-    whole record each (the index says so), with their storage entries: read straight into them,
-    without DCP's per-item planning objects (measured: issue 14, docs/benchmarks.md). DTensors,
-    resharded, resized, absent and non-tensor values are left to DCP's planner."""
-    plain = {k: v for k, v in flat.items() if type(v) in _PLAIN}
-    if not plain:
+    """The tensors of the flattened state dict ``flat`` that the checkpoint holds as one record
+    each (the index says so), with their storage entries: read straight into them, without DCP's
+    per-item planning objects (measured: issue 14, docs/benchmarks.md). A plain tensor needs its
+    whole self saved as one chunk; a DTensor (its rank in the mesh) its one local shard saved as
+    one chunk, at the sharding it is loaded with. Resharded, resized, absent, other tensor types
+    and non-tensor values are left to DCP's planner."""
+    wanted: dict[str, tuple[Any, Any, Any]] = {}
+    targets: dict[str, torch.Tensor] = {}
+    for k, v in flat.items():
+        kind = type(v)
+        if kind in _PLAIN:
+            wanted[k] = (v.shape, (0,) * v.dim(), v.shape)
+            targets[k] = v
+        elif kind is DTensor and v.device_mesh.get_coordinate() is not None:
+            chunks = v.__create_chunk_list__()
+            local = v.to_local()
+            if len(chunks) == 1 and tuple(local.shape) == tuple(chunks[0].sizes):
+                wanted[k] = (v.shape, chunks[0].offsets, chunks[0].sizes)
+                targets[k] = local
+    if not wanted:
         return []
-    found = index.whole_records({k: v.shape for k, v in plain.items()})
-    return [(WholeRead(k, plain[k].detach()), info) for k, info in found.items()]
+    found = index.whole_records(wanted)
+    return [(WholeRead(k, targets[k].detach()), info) for k, info in found.items()]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

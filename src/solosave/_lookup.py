@@ -175,27 +175,32 @@ class LoadIndex:
                 out[a + i] = raw[i, :width].copy().view(ROW)
         return out
 
-    def whole_records(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
-        """The storage entry (``_StorageInfo``) of each key of ``shapes`` that the checkpoint
-        holds as one record of exactly that shape (one chunk at the origin: a plain tensor
-        loaded at the sharding it was saved with). The keys left out need DCP's planner: absent
-        from the checkpoint, of another size, sharded, or not tensors. Reads the row block of
-        chunk 0 of each group involved (the same block :meth:`metadata_for` would read)."""
+    def whole_records(self, wanted: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> dict[str, Any]:
+        """The storage entry (``_StorageInfo``) of each key of ``wanted`` (``{fqn: (size,
+        offsets, sizes)}``: the tensor's global size and the one chunk a rank holds) that the
+        checkpoint saved at that size with exactly that chunk as one record: a plain tensor
+        whole, or a DTensor's shard at the sharding it was saved with. The keys left out need
+        DCP's planner: absent, of another size, resharded, or not tensors. Reads the row block
+        of each chunk found (the blocks :meth:`metadata_for` would read)."""
         out: dict[str, Any] = {}
-        whole: dict[int, tuple[list[int], list[tuple[int, int, int]]] | None] = {}
+        found: dict[tuple, int | None] = {}
+        rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         files = self.files
         try:
-            for fqn, shape in shapes.items():
+            for fqn, (size, offsets, sizes) in wanted.items():
                 e = self.keys.get(fqn)
-                if e is None or e[0] != "t" or e[4] != list(shape):
+                if e is None or e[0] != "t" or e[4] != list(size):
                     continue
                 g = int(e[1])
-                if g not in whole:
-                    whole[g] = self._whole_group(g)
-                got = whole[g]
-                if got is None or got[0] != e[4]:
+                box = (g, tuple(offsets), tuple(sizes))
+                if box not in found:
+                    found[box] = self._chunk_at(g, box[1], box[2])
+                i = found[box]
+                if i is None:
                     continue
-                f, offset, length = got[1][int(e[2])]
+                if (g, i) not in rows:
+                    rows[g, i] = self._rows(g, np.array([i], np.int64))[i].tolist()
+                f, offset, length = rows[g, i][int(e[2])]
                 out[fqn] = _StorageInfo(files[f], offset, length)
         except IndexUnusable:
             raise
@@ -203,15 +208,14 @@ class LoadIndex:
             raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: corrupt ({err!r})") from err
         return out
 
-    def _whole_group(self, g: int) -> tuple[list[int], list[tuple[int, int, int]]] | None:
-        """Group ``g``'s chunk size and rows (file, offset, length per key) if it has exactly
-        one chunk, at the origin; ``None`` otherwise."""
-        if int(self.groups[g][0]) != 1:
+    def _chunk_at(self, g: int, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
+        """The index of group ``g``'s chunk at ``offsets`` of ``sizes`` (``None``: none)."""
+        offs, sz = self.geometry(g)
+        if offs.shape[1] != len(offsets):
             return None
-        offs, sizes = self.geometry(g)
-        if offs.any():
-            return None
-        return sizes[0].tolist(), self._rows(g, np.zeros(1, np.int64))[0].tolist()
+        hit = np.flatnonzero((offs == np.asarray(offsets, np.int64)).all(axis=1)
+                            & (sz == np.asarray(sizes, np.int64)).all(axis=1))
+        return int(hit[0]) if len(hit) else None
 
     def metadata_for(self, wanted: Wanted) -> Metadata:
         """A DCP ``Metadata`` with the keys of ``wanted`` that the checkpoint has, each with the
