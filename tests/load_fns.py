@@ -201,3 +201,37 @@ def same_sharding_loads(rank: int, ws: int, root: str) -> dict:
                     and torch.equal(got["p"], want["p"]) and got["step"] == 41)
     out["whole"] = sorted(whole)
     return out
+
+
+def partial_dtensor_loads(rank: int, ws: int, root: str) -> dict:
+    """A ``Partial`` DTensor in the state dict (DCP cannot load into one): with
+    ``allow_partial_load`` and its key absent from the checkpoint, and strictly; what
+    ``solosave.load`` and stock ``dcp.load`` do (the error's type and text, or ``None``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    from solosave._load import SafeLoadPlanner
+
+    path = os.path.join(root, "partial")
+    sd = _state(ws, SAVE_DIM, full_tensors(), 41)
+    with solosave.AsyncCheckpointer(persistent_worker=False) as ckpt:
+        ckpt.save(sd, path).wait(timeout=60)
+    mesh = init_device_mesh("cpu", (ws,))
+    out: dict = {}
+    for allow in (True, False):
+        for how in ("solosave", "dcp"):
+            got = _state(ws, SAVE_DIM, {k: torch.zeros_like(v) for k, v in full_tensors().items()}, 0)
+            got["nokey"] = DTensor.from_local(torch.zeros(10, 6), mesh, [Partial()], shape=(10, 6), stride=(6, 1))
+            try:
+                if how == "solosave":
+                    solosave.load(got, path, planner=SafeLoadPlanner(allow_partial_load=allow))
+                else:
+                    dcp.load(got, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=allow))
+                out[f"{how}/{allow}"] = None if torch.equal(got["c"].full_tensor(), full_tensors()["c"]) else "wrong"
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - compared below (DCP's wrapper is a BaseException)
+                inner = next(iter(e.failures.values())) if hasattr(e, "failures") else e
+                inner = inner[0] if isinstance(inner, tuple) else inner
+                out[f"{how}/{allow}"] = f"{type(inner).__name__}: {inner}"
+    return out

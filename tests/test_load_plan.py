@@ -190,3 +190,29 @@ def test_dtensor_shards_at_the_sharding_they_were_saved_with_are_read_whole(tmp_
         assert out["solosave"] and out["dcp"], (rank, out)
         # every DTensor (rows, columns, uneven, replicated) and the plain tensor; "step" is DCP's
         assert out["whole"] == ["a", "b", "c", "d", "i", "p", "r"], (rank, out["whole"])
+
+
+@pytest.mark.timeout(150)
+def test_a_partial_dtensor_is_left_to_dcps_planner(tmp_path):
+    import load_fns
+    from support import run_ranks
+
+    for rank, out in enumerate(run_ranks(load_fns.partial_dtensor_loads, 2, str(tmp_path), timeout=120)):
+        assert out["solosave/True"] is None and out["dcp/True"] is None, (rank, out)  # its key is absent
+        assert out["solosave/False"] == out["dcp/False"] and "Missing key" in out["dcp/False"], (rank, out)
+
+
+def test_a_chunk_named_twice_in_the_metadata_is_left_to_dcps_planner(tmp_path, monkeypatch):
+    import pickle
+
+    ck = str(tmp_path)
+    sd = {"z": torch.tensor(3.5), "a": torch.arange(6.0), "b": torch.arange(6.0) + 100}
+    dcp_save_local(sd, checkpoint_id=ck)
+    md = pickle.loads((tmp_path / ".metadata").read_bytes())
+    md.state_dict_metadata["a"].chunks.append(md.state_dict_metadata["a"].chunks[0])  # a crafted duplicate
+    publish_with_index(ck, md)
+    calls = _spy_reads(monkeypatch)
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    solosave.load(got, ck)
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    assert sorted(calls[-1]["whole"]) == ["b", "z"]

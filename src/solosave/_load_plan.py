@@ -95,8 +95,11 @@ def whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRe
         if kind in _PLAIN:
             wanted[k] = (v.shape, (0,) * v.dim(), v.shape)
             targets[k] = v
-        elif kind is DTensor and v.device_mesh.get_coordinate() is not None:
-            chunks = v.__create_chunk_list__()
+        elif kind is DTensor and k in index.keys and v.device_mesh.get_coordinate() is not None:
+            try:
+                chunks = v.__create_chunk_list__()
+            except (ValueError, RuntimeError, NotImplementedError):
+                continue  # e.g. a Partial placement: DCP's planner reports it, after its own checks
             local = v.to_local()
             if len(chunks) == 1 and tuple(local.shape) == tuple(chunks[0].sizes):
                 wanted[k] = (v.shape, chunks[0].offsets, chunks[0].sizes)

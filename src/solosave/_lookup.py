@@ -209,13 +209,14 @@ class LoadIndex:
         return out
 
     def _chunk_at(self, g: int, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
-        """The index of group ``g``'s chunk at ``offsets`` of ``sizes`` (``None``: none)."""
+        """The index of group ``g``'s one chunk at ``offsets`` of ``sizes`` (``None``: none, or
+        several: a metadata that names a chunk twice is left to DCP's planner)."""
         offs, sz = self.geometry(g)
         if offs.shape[1] != len(offsets):
             return None
         hit = np.flatnonzero((offs == np.asarray(offsets, np.int64)).all(axis=1)
                             & (sz == np.asarray(sizes, np.int64)).all(axis=1))
-        return int(hit[0]) if len(hit) else None
+        return int(hit[0]) if len(hit) == 1 else None
 
     def metadata_for(self, wanted: Wanted) -> Metadata:
         """A DCP ``Metadata`` with the keys of ``wanted`` that the checkpoint has, each with the
