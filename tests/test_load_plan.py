@@ -11,26 +11,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 import solosave
-from solosave import _load, _read
 from solosave._load import SafeLoadPlanner
 from support import dcp_save_local, publish_with_index, zeros_like
-from test_read import DTYPES, _same, _state
+from test_read import DTYPES, _same, _spy_reads, _state
 
 NO_DIST = {"no_dist": True} if "no_dist" in inspect.signature(dcp.load).parameters else {}
-
-
-def _spy_reads(monkeypatch):
-    """Record what each ``read_items`` call of ``solosave.load`` got, and its stats."""
-    calls = []
-
-    def spy(directory, items, storage_data, planner, whole=()):
-        stats = _read.read_items(directory, items, storage_data, planner, whole)
-        calls.append({"items": [(i.storage_index.fqn, i.type) for i in items], "whole": [w.fqn for w, _ in whole],
-                      "stats": stats})
-        return stats
-
-    monkeypatch.setattr(_load, "read_items", spy)
-    return calls
 
 
 @pytest.mark.parametrize("n", [5, 140_000], ids=["spans", "direct"])
