@@ -45,7 +45,7 @@ from ._coordinate import DistChannel
 from ._errors import CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError
 from ._format import METADATA_FILE, check_ranges
 from ._layout import gc_paused
-from ._load_plan import WholeRead, planning_the_rest, reads_in_place, whole_reads
+from ._load_plan import WholeRead, keeps_default, planning_the_rest, reads_in_place, whole_reads
 from ._lookup import IndexUnusable, LoadIndex, wanted_of
 from ._read import ReadStats, read_items
 from ._safe_pickle import safe_loads
@@ -334,8 +334,7 @@ def _local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planner: An
 def _index_planner(planner: Any) -> bool:
     """Whether ``planner`` can plan from a partial ``Metadata`` (:mod:`solosave._index`): DCP's
     default load planner's set-up, which only stores the metadata for ``create_local_plan``."""
-    return (isinstance(planner, DefaultLoadPlanner)
-            and type(planner).set_up_planner is DefaultLoadPlanner.set_up_planner)
+    return keeps_default(planner, "set_up_planner")
 
 
 def _open_index(path: str | os.PathLike) -> LoadIndex | None:
@@ -354,10 +353,7 @@ def _plans_locally(planner: Any) -> bool:
     """Whether ``planner`` leaves the global step of a load to DCP's default, a pass-through
     (``create_default_global_load_plan`` returns the local plans unchanged): then each rank
     can plan alone, and the plans need not travel to rank 0 and back."""
-    cls = type(planner)
-    return (isinstance(planner, DefaultLoadPlanner)
-            and cls.create_global_plan is DefaultLoadPlanner.create_global_plan
-            and cls.finish_plan is DefaultLoadPlanner.finish_plan)
+    return keeps_default(planner, "create_global_plan", "finish_plan")
 
 
 def _is_stateful(value: Any) -> bool:

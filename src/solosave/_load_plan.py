@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from ._lookup import LoadIndex
 
-__all__ = ["WholeRead", "planning_the_rest", "reads_in_place", "whole_reads"]
+__all__ = ["WholeRead", "keeps_default", "planning_the_rest", "reads_in_place", "whole_reads"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +53,19 @@ _PLANNING = ("create_local_plan", "create_global_plan", "finish_plan", "resolve_
              "transform_tensor", "commit_tensor")
 
 
-def reads_in_place(planner: Any) -> bool:
-    """Whether ``planner`` plans, resolves and commits tensors as DCP's default load planner
-    does, neither its class nor the instance overriding a step (a plain tensor is read in place,
-    whole when its saved chunk is whole): then such tensors need none of its planning
-    (:func:`whole_reads`)."""
+def keeps_default(planner: Any, *steps: str) -> bool:
+    """Whether ``planner`` is a DCP ``DefaultLoadPlanner`` whose ``steps`` (method names) are
+    DCP's own: neither its class nor the instance overrides them."""
     cls, own = type(planner), getattr(planner, "__dict__", {})
     return isinstance(planner, DefaultLoadPlanner) and all(
-        getattr(cls, name) is getattr(DefaultLoadPlanner, name) and name not in own for name in _PLANNING)
+        getattr(cls, name) is getattr(DefaultLoadPlanner, name) and name not in own for name in steps)
+
+
+def reads_in_place(planner: Any) -> bool:
+    """Whether ``planner`` plans, resolves and commits tensors as DCP's default load planner
+    does (a plain tensor is read in place, whole when its saved chunk is whole): then such
+    tensors need none of its planning (:func:`whole_reads`)."""
+    return keeps_default(planner, *_PLANNING)
 
 
 @contextmanager

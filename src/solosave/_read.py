@@ -43,11 +43,10 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from ._errors import CorruptCheckpointError, UnsafeMetadataError
-from ._load_plan import WholeRead
+from ._load_plan import WholeRead, keeps_default
 from ._record import RecordCache, Region, TensorLayout, parse_tensor_record
 
 #: A tensor record at least this long is read on its own, its payload straight into the target.
@@ -129,7 +128,6 @@ class _Queued:
 
     offset: int
     n: int
-    address: int
     target: torch.Tensor
     item: Any
 
@@ -212,7 +210,9 @@ class _Loader:
         self._regions: dict[int, tuple[TensorLayout, Region]] = {}
         self._queued: list[_Queued] = []
         self._queued_storages: set[int] = set()
-        self._defer = _commits_nothing(planner)  # else each chunk is read, then committed, in turn
+        #: DCP's commit does nothing: a filled target needs no commit at once, its read may wait
+        #: (``_read_queued``); else each chunk is read, then committed, in turn.
+        self._defer = keeps_default(planner, "commit_tensor")
         self._fd = -1
         self._gap = memoryview(bytearray(GAP_MAX))
 
@@ -274,7 +274,7 @@ class _Loader:
                     break
                 if gap:
                     iov.append(self._gap[:gap])
-                iov.append((ctypes.c_char * q.n).from_address(q.address))
+                iov.append((ctypes.c_char * q.n).from_address(q.target.data_ptr()))
                 pos = q.offset + q.n
                 j += 1
             got = os.preadv(fd, iov, start)
@@ -283,7 +283,7 @@ class _Loader:
                 self.stats.bytes_read += got
             else:  # a short read: chunk by chunk (raises where the file ends too early)
                 for q in queue[i:j]:
-                    _pread_into(fd, q.address, q.n, q.offset, self.stats)
+                    _pread_into(fd, q.target.data_ptr(), q.n, q.offset, self.stats)
             i = j
         for q in queue:
             increment_version(q.target)  # written behind autograd's back, as copy_ would have noted
@@ -346,8 +346,7 @@ class _Loader:
         n = region.hi - region.lo
         if region.numel and region.contiguous and _plain_cpu(target, layout.dtype):
             if isinstance(src, _FileRecord) and (self._defer or type(item) is WholeRead):
-                self._queue(_Queued(src.offset + layout.payload_start + region.lo, n, target.data_ptr(),
-                                    target, item))
+                self._queue(_Queued(src.offset + layout.payload_start + region.lo, n, target, item))
                 return
             self._before_write(target)
             src.place(target.data_ptr(), layout.payload_start + region.lo, n)
@@ -401,10 +400,3 @@ def read_items(directory: str | os.PathLike, items: Sequence[Any], storage_data:
         finally:
             os.close(fd)
     return loader.stats
-
-
-def _commits_nothing(planner: Any) -> bool:
-    """Whether ``planner.commit_tensor`` is DCP's default, which does nothing: then a target
-    needs no commit right after it is filled, and its read may wait (``_Loader._read_queued``)."""
-    return (getattr(type(planner), "commit_tensor", None) is DefaultLoadPlanner.commit_tensor
-            and "commit_tensor" not in getattr(planner, "__dict__", {}))

@@ -414,12 +414,10 @@ def _marks(get: Getter, length: int, cd_offset: int, tpl: _Template, pkl: bytes)
         marks.append((cd_offset + pos, tpl.cd[pos:]))
     marks += tpl.headers
     marks += [(tpl.order[0], b"little"), (tpl.pkl[0], pkl)]
-    merged: list[tuple[int, bytes]] = []  # adjacent ranges as one comparison
+    merged: list[tuple[int, bytes]] = []  # adjacent ranges as one comparison (overlapping ones apart)
     for at, b in sorted(marks):
         if merged and merged[-1][0] + len(merged[-1][1]) == at:
             merged[-1] = (merged[-1][0], merged[-1][1] + b)
-        elif not merged or merged[-1][0] + len(merged[-1][1]) < at:
-            merged.append((at, b))
-        else:  # overlapping ranges (a crafted record): keep them apart
+        else:
             merged.append((at, b))
     return tuple(merged)
