@@ -683,3 +683,40 @@ def one_rank_cannot_read_prepared(rank: int, ws: int, root: str, timeout: float)
         return {"error": None}
     except Exception as e:  # noqa: BLE001
         return {"error": _error(e, t0), "seconds": time.monotonic() - t0}
+
+
+def copy_fails_on_one_rank(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """Rank 1's staging copy of c1 fails after its job went to the worker (a progressive save:
+    the failure comes after the first group was reported), so its ``save()`` raises; c1 must fail
+    on every rank, naming rank 1's error, long before ``timeout``; c2 saves normally."""
+    from solosave import _stage
+
+    _fresh(root)
+    sd = sd_at(rank, 0)
+    out: dict = {"steps": {}}
+    real = _stage._copy_cpu
+
+    def failing(plan: Any, srcs: list, progress: Any = None) -> None:
+        def report(end: int) -> None:
+            progress(end)
+            raise RuntimeError("injected: the copy failed")
+
+        real(plan, srcs, report)
+
+    with _reuse_ck(root, timeout) as ck:
+        ck.save(sd, f"{root}/c0").wait(SETUP_WAIT)
+        for i in (1, 2):
+            set_step(sd, rank, i)
+            if rank == 1 and i == 1:
+                _stage._copy_cpu = failing
+            t0 = time.monotonic()
+            try:
+                h = ck.save(sd, f"{root}/c{i}")
+            except Exception as e:  # noqa: BLE001
+                out["steps"][i] = {"save": _error(e, t0)}
+                continue
+            finally:
+                _stage._copy_cpu = real
+            out["steps"][i] = {"wait": _wait(h, timeout)}
+    dist.barrier()
+    return out

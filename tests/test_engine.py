@@ -10,8 +10,9 @@ import torch
 from solosave._coordinate import local_channels
 from solosave._engine import Engine
 from solosave._options import CheckpointerOptions
-from solosave._protocol import EngineSettings, ErrorKind, SaveKind
+from solosave._protocol import EngineSettings, ErrorKind, SaveKind, StageProgress
 from solosave._session import SaveSession
+from solosave._watermark import Watermark
 from solosave._write import FileWriter
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,7 +44,12 @@ class Ranks:
         self.engines = [engine_cls(ch, settings, writer or FileWriter(fsync=False)) for ch in channels]
         self.sessions = [SaveSession(r, world, opts, None) for r in range(world)]
 
-    def save(self, state_of, name, abort_on=(), skip_seq_on=()):
+    def save(self, state_of, name, abort_on=(), skip_seq_on=(), progressive=False, fail_copy_on=(),
+             copied=None):
+        """``progressive``: every rank's job goes to its engine before its copies, which a thread
+        then runs, reporting to the job's watermark (as ``AsyncCheckpointer.save`` does); the
+        copies of ``fail_copy_on`` fail instead; ``copied`` (an event) is set once a rank's
+        copies are done, 0.3 s before it reports the end."""
         out = [None] * self.world
 
         def rank(r):
@@ -51,11 +57,16 @@ class Ranks:
             path = str(self.tmp / name)
             if r in skip_seq_on:
                 s.seq += 1  # this rank's save() "timed out" earlier: it is one save ahead
+            staged = None
             if r in abort_on:
                 job = s.abort(path, TypeError(f"a value only rank {r} holds cannot be saved"))
             else:
-                job = s.build(state_of(r), path).job
-            out[r] = self.engines[r].run(job)
+                built = s.build(state_of(r), path, defer=progressive)
+                job = built.job
+                if job.progressive:
+                    staged = Watermark(job.seq, 10)
+                    threading.Thread(target=_copy, args=(built.staging, staged, r in fail_copy_on, copied)).start()
+            out[r] = self.engines[r].run(job, staged)
             s.absorb(out[r])
 
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(self.world)]
@@ -71,6 +82,21 @@ class Ranks:
             s.close()
         for e in self.engines:
             e.close()
+
+
+def _copy(staging, staged, fail, copied):
+    """A trainer's copies of a progressive save, reported to ``staged`` (see ``Ranks.save``)."""
+    import time
+
+    if fail:
+        staging.deferred = None  # nothing copied
+        staged.update(StageProgress(staged.seq, 0, True, "save() raised on this rank: RuntimeError: injected"))
+        return
+    staging.copy(lambda end: staged.update(StageProgress(staged.seq, end)))
+    if copied is not None:
+        time.sleep(0.3)  # a writer that did not wait for the end would run now
+        copied.set()
+    staged.update(StageProgress(staged.seq, 1 << 62, True))
 
 
 def state(r, grow=False, lose=None):
@@ -256,3 +282,69 @@ def test_a_directory_name_that_is_not_utf8_saves_and_loads(ranks, tmp_path, case
     assert all(o.ok for o in ok)
     case_log("checkpoint directory name with bytes that are not UTF-8 (b'ckpt-\\xff\\xfe')",
              "create and reuse saves publish; stock dcp.load reads it; later saves work")
+
+
+def big_state(r, step=0):
+    """Several copy groups per rank (``_stage.GROUP_BYTES``), under keys of its own, with values
+    that depend on ``step``."""
+    g = torch.Generator().manual_seed(100 * r + step)
+    return {f"r{r}.layer{i}.w": torch.randn(256, 1024, generator=g) for i in range(12)} | {"step": step}
+
+
+def test_a_progressive_save_writes_during_the_copy_and_publishes_the_values_of_the_call(ranks, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from solosave import _stage
+
+    rk = ranks(2, assume_constant_structure=True)
+    assert _stage.GROUP_BYTES * 2 < 12 * 256 * 1024 * 4  # several groups per rank
+    for i, mode in enumerate(("create", "reuse", "reuse")):
+        outs = rk.save(lambda r, i=i: big_state(r, i), f"c{i}", progressive=True)
+        assert all(o.ok and o.published for o in outs), [o.failures for o in outs]
+        assert kinds(outs) == [SaveKind(mode)] * 2
+        if mode == "reuse":
+            assert all(counts(o) == {"all_reduce": [1, 8]} for o in outs)
+    want = big_state(0, 2) | big_state(1, 2)
+    got = {k: torch.zeros_like(v) for k, v in want.items() if k != "step"} | {"step": -1}
+    dcp.load(got, checkpoint_id=str(tmp_path / "c2"), no_dist=True)
+    assert got["step"] == 2 and all(torch.equal(got[k], want[k]) for k in want if k != "step")
+
+
+def test_a_copy_that_fails_on_one_rank_fails_the_save_everywhere_and_the_next_works(ranks, tmp_path):
+    rk = ranks(2, assume_constant_structure=True)
+    rk.save(big_state, "c0", progressive=True)
+    for name in ("bad_reuse", "bad_collective"):
+        if name == "bad_collective":
+            for s in rk.sessions:
+                s.prepared = None
+        outs = rk.save(big_state, name, progressive=True, fail_copy_on={1})
+        assert all(not o.ok and o.error_kind is ErrorKind.FAILED for o in outs), name
+        assert all(list(o.failures) == [1] for o in outs), [o.failures for o in outs]
+        assert all("staging failed on this rank: save() raised on this rank: RuntimeError: injected"
+                   in o.failures[1] for o in outs), outs
+        assert not (tmp_path / name / ".metadata").exists()
+        assert all(e.broken is None for e in rk.engines)
+        ok = rk.save(big_state, f"after_{name}", progressive=True)
+        assert all(o.ok and o.published for o in ok), [o.failures for o in ok]
+
+
+class EntryCheckingWriter(FileWriter):
+    """Overrides write_file: records whether the copies had ended when it was called."""
+
+    def __init__(self, copied):
+        super().__init__(fsync=False)
+        self.copied = copied
+        self.early = []
+
+    def write_file(self, directory, relative_path, records):
+        self.early.append(not self.copied.is_set())
+        return super().write_file(directory, relative_path, records)
+
+
+def test_a_writer_that_overrides_write_file_gets_its_records_after_the_copy(ranks):
+    copied = threading.Event()
+    writer = EntryCheckingWriter(copied)
+    rk = ranks(1, writer=writer)
+    outs = rk.save(big_state, "c0", progressive=True, copied=copied)
+    assert outs[0].ok and outs[0].published, outs[0].failures
+    assert writer.early == [False]

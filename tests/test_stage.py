@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from solosave import SaveTimeoutError, StagingRaceError, _stage
+from solosave._buffer import BufferReader
 from solosave._plan import plan_local
-from solosave._stage import BufferReader, Stager
+from solosave._stage import Stager
 
 
 def _staged_values(staged) -> dict:

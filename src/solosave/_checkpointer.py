@@ -1,4 +1,4 @@
-"""The public saver: :class:`AsyncCheckpointer` and :class:`SaveHandle`.
+"""The public saver: :class:`AsyncCheckpointer` (its handles: ``_handle.SaveHandle``).
 
 Who calls what, in which order (every rank of ``process_group``):
 
@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -31,83 +30,23 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ._coordinate import CollectiveCall, CollectiveCounter, DistChannel, new_gloo_group, share_store_address
+from ._coordinate import CollectiveCounter, DistChannel, new_gloo_group, share_store_address
 from ._engine import Engine
 from ._errors import CheckpointExistsError, PreparedMetadataError, SaveTimeoutError, WorkerDiedError
 from ._format import METADATA_FILE
+from ._handle import SaveHandle
 from ._layout import gc_paused
 from ._options import CheckpointerOptions
 from ._prepared import PreparedMetadata, load_prepared_metadata
-from ._protocol import ChannelSpec, EngineSettings, ErrorKind, JobOutcome, SaveJob, SaveKind, WorkerSetup
-from ._result import PhaseTimings, SaveResult, error_of
-from ._session import SaveSession, normalize_directory
+from ._protocol import ChannelSpec, EngineSettings, ErrorKind, JobOutcome, SaveJob, SaveKind, StageProgress, WorkerSetup
+from ._result import SaveResult
+from ._session import BuiltJob, SaveSession, normalize_directory
 from ._stage import Staging
 from ._storage import check_local_path, check_url_destination, is_url, join, path_exists
 from ._worker import ProcessTransport, ThreadTransport
 from ._write import FileWriter
 
 log = logging.getLogger("solosave")
-
-
-class SaveHandle:
-    """A save in flight. ``done()`` never blocks and never calls a collective."""
-
-    def __init__(self, owner: AsyncCheckpointer, job: SaveJob, t_start: float, t_plan: float,
-                 t_stage: float, t_block: float, calling: tuple[CollectiveCall, ...]) -> None:
-        self._owner = owner
-        self._job = job
-        self.path = job.directory
-        self.seq = job.seq
-        self._t = (t_start, t_plan, t_stage, t_block)
-        self._calling = calling
-        self._outcome: JobOutcome | None = None
-        self._result: SaveResult | None = None
-        self._error: BaseException | None = None
-        #: The user saw this save's result or error (or never had a handle: an aborted save).
-        self.reported = job.abort is not None
-        self._staging: Staging | None = None
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """With ``overlap_staging``: return once this save's tensors are copied (CPU tensors),
-        or once the current CUDA stream is ordered after the copies (nothing blocks): the
-        saved tensors may change from then on. Call it before ``optimizer.step()``. Raises
-        :class:`~solosave.StagingRaceError` if a saved tensor changed in place before (the save
-        then fails on every rank). Without ``overlap_staging`` it returns at once."""
-        if self._staging is not None:
-            self._staging.wait(self._owner.options.timeout if timeout is None else timeout)
-
-    def _set(self, outcome: JobOutcome) -> None:
-        self._outcome = outcome
-        t_start, t_plan, t_stage, t_block = self._t
-        tm = outcome.timings
-        if not outcome.ok:
-            self._error = error_of(outcome, self.path)
-            return
-        self._result = SaveResult(
-            path=self.path, rank=self._owner.rank, mode=outcome.kind.value, bytes_written=outcome.bytes_written,
-            timings=PhaseTimings(t_plan, t_stage, tm.get("write", 0.0), tm.get("coordinate", 0.0),
-                                 tm.get("publish", 0.0), t_block, max(outcome.finished_at - t_start, 0.0)),
-            collectives_calling_thread=self._calling, collectives_background=outcome.collectives,
-            published=outcome.published, warnings=outcome.warnings)
-        for w in outcome.warnings:
-            warnings.warn(w, RuntimeWarning, stacklevel=3)
-
-    def done(self) -> bool:
-        if self._outcome is None:
-            self._owner._pump(0.0)
-        return self._outcome is not None
-
-    def wait(self, timeout: float | None = None) -> SaveResult:
-        """Wait (at most ``timeout`` seconds; default: the checkpointer's ``timeout``) and
-        return the :class:`SaveResult`, or raise the save's error (the same on every rank)."""
-        if self._outcome is None:
-            self._owner._wait_for(self, self._owner.options.timeout if timeout is None else timeout)
-        self.reported = True
-        if self._error is not None:
-            raise self._error
-        if self._result is None:
-            raise RuntimeError("internal: a finished save without result or error")
-        return self._result
 
 
 class _Resources:
@@ -176,7 +115,7 @@ class AsyncCheckpointer:
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
         if o.persistent_worker:
             spec = ChannelSpec(host, port, prefix, self.rank, self.world_size, float(o.timeout))
-            self._res.transport = ProcessTransport(WorkerSetup(spec, settings, writer, os.getpid()))
+            self._res.transport = ProcessTransport(WorkerSetup(spec, settings, writer, os.getpid(), o.worker_nice))
             return
         import datetime
 
@@ -270,7 +209,7 @@ class AsyncCheckpointer:
             # objects per item, enough to set off a generation-2 pass (21 ms per save of 2048
             # tensors, py-spy, issue 13). Reference counting frees them; the collector resumes.
             with gc_paused():
-                built = self._session.build(state_dict, directory)
+                built = self._session.build(state_dict, directory, defer=True)
         except Exception as e:
             abort = self._session.abort(normalize_directory(path), e)
             self._inflight = SaveHandle(self, abort, t_start, 0.0, 0.0, 0.0, ())
@@ -279,12 +218,38 @@ class AsyncCheckpointer:
             except WorkerDiedError:  # nothing to fail: the next save reports the dead worker
                 self._inflight = None
             raise
-        handle = SaveHandle(self, built.job, t_start, built.plan_s, built.stage_s,
+        stage_s = built.stage_s
+        if built.staging.progressive:
+            stage_s += self._copy_progressive(built, t_start)
+        handle = SaveHandle(self, built.job, t_start, built.plan_s, stage_s,
                             time.perf_counter() - p0, tuple(self._setup_counter.since(mark)))
         handle._staging = built.staging
         self._inflight = handle
-        self._submit(built.job, built.staging)
+        if not built.job.progressive:
+            self._submit(built.job, built.staging)
         return handle
+
+    def _copy_progressive(self, built: BuiltJob, t_start: float) -> float:
+        """Send the job, then copy its tensors, telling the worker after each group how far the
+        copy got (``_watermark.py``); returns the copy's duration. A copy that fails fails the
+        save on every rank (the worker learns why) and raises here."""
+        job = built.job
+        self._inflight = SaveHandle(self, job, t_start, 0.0, 0.0, 0.0, ())
+        self._inflight.reported = True  # until save() returns the handle: a raise reports it
+        self._transport.submit(job)
+        send = self._transport.progress
+        t0 = time.perf_counter()
+        try:
+            with gc_paused():
+                built.staging.copy(lambda end: send(StageProgress(job.seq, end)))
+            send(StageProgress(job.seq, job.staged.buffer_size, True))
+        except Exception as e:
+            try:
+                send(StageProgress(job.seq, 0, True, f"save() raised on this rank: {type(e).__name__}: {e}"))
+            except WorkerDiedError:  # nothing to fail: the next save reports the dead worker
+                pass
+            raise
+        return time.perf_counter() - t0
 
     def _submit(self, job: SaveJob, staging: Staging | None) -> None:
         """Hand ``job`` to the worker; when its copies are still running (CUDA, overlapped

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _index as index
+from ._buffer import BufferReader
 from ._collective import run_collective
 from ._coordinate import Channel, ChannelError, OutOfStep
 from ._errors import describe
@@ -60,8 +61,8 @@ from ._protocol import (
     encode_status,
 )
 from ._publish import MetadataTemplate, publish_metadata, unpublish
-from ._stage import BufferReader
 from ._storage import is_url, storage_for
+from ._watermark import Watermark
 from ._write import FileWriter, Record
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
@@ -94,6 +95,8 @@ class Engine:
         self.warnings: list[str] = []
         #: Why the channel cannot be used any more, and the kind of that failure.
         self.broken: tuple[ErrorKind, str] | None = None
+        #: The running job's staging progress (a progressive job only; see ``_watermark.py``).
+        self._staged: Watermark | None = None
 
     @property
     def workers(self) -> int:
@@ -104,8 +107,16 @@ class Engine:
         self.reader.close()
 
     # ------------------------------------------------------------------------------------
-    def run(self, job: SaveJob) -> JobOutcome:
-        """Run one save on this rank (every rank runs the same job; see the module doc)."""
+    def run(self, job: SaveJob, staged: Watermark | None = None) -> JobOutcome:
+        """Run one save on this rank (every rank runs the same job; see the module doc).
+        ``staged``: the job is progressive, its tensors still being copied (``_watermark.py``)."""
+        self._staged = staged
+        try:
+            return self._run(job)
+        finally:
+            self._staged = None
+
+    def _run(self, job: SaveJob) -> JobOutcome:
         mark = self.channel.counter.mark()
         timings: dict[str, float] = defaultdict(float)
         if self.broken is not None:
@@ -138,7 +149,10 @@ class Engine:
     # -- writing ----------------------------------------------------------------------------
     def write(self, job: SaveJob, files: list[tuple[str, list[StagedItem]]], pad: dict,
               timings: dict[str, float]) -> list[WriteResult]:
-        """Write this rank's files of ``job`` (``pad``: slot length per BYTES item key)."""
+        """Write this rank's files of ``job`` (``pad``: slot length per BYTES item key). A
+        progressive job's records wait for their bytes (a writer that overrides ``write_files``
+        or ``write_file`` gets them once the copy ended); either way the copy must end well
+        before the write counts as done."""
         t0 = time.perf_counter()
         storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
         unpublish(job.directory, self.settings.storage_options)  # never an old .metadata next to new data
@@ -147,8 +161,17 @@ class Engine:
         self.reader.keep_only(kept)
         if len(self._records) > sum(it.payload is None for it in kept):
             self._records = {k: r for k, r in ((id(it), self._records.get(id(it))) for it in kept) if r is not None}
+        staged = self._staged
         try:
-            return self.writer.write_files(job.directory, todo)
+            if staged is None:
+                return self.writer.write_files(job.directory, todo)
+            if _waits_per_record(self.writer):
+                results = self.writer.write_files(job.directory, todo, staged=staged)
+            else:
+                staged.wait_done()
+                results = self.writer.write_files(job.directory, todo)
+            staged.wait_done()  # a copy that failed after its bytes were written fails the save
+            return results
         finally:
             del todo  # the records hold views of the staging buffer
             timings["write"] += time.perf_counter() - t0
@@ -160,7 +183,7 @@ class Engine:
         hit = self._records.get(id(it))
         if hit is not None and hit.tensor is view:  # the reader's view of this very item
             return hit
-        rec = self._records[id(it)] = Record(it.spec.key, tensor=view)
+        rec = self._records[id(it)] = Record(it.spec.key, tensor=view, staged_end=it.offset + it.spec.nbytes)
         return rec
 
     def write_index(self, job: SaveJob, source: Callable[[], tuple[bytes | None, MetadataTemplate]],
@@ -291,6 +314,12 @@ class Engine:
         return JobOutcome(job.seq, ok, SaveKind.REUSE, None if ok else ErrorKind.FAILED,
                           bytes_written=sum(r[3] for r in results or ()),
                           failures={} if ok else {ch.coordinator: error}, published=ok)
+
+
+def _waits_per_record(writer: FileWriter) -> bool:
+    """Whether ``writer`` reads records only where ``FileWriter`` waits for their bytes."""
+    cls = type(writer)
+    return cls.write_files is FileWriter.write_files and cls.write_file is FileWriter.write_file
 
 
 def _kind(job: SaveJob) -> SaveKind:

@@ -7,14 +7,9 @@ reused by every save of the same structure; each tensor is a view at an aligned 
 worker process maps one buffer, not one file descriptor per tensor. Non-tensor values are
 serialized with ``torch.save`` and travel inside the job message.
 
-The buffer is a POSIX shared-memory segment (``/dev/shm``) whose pages are **reserved up front**
-(``posix_fallocate``): a ``/dev/shm`` too small for it (Docker's default is 64 MiB) is then an
-error at allocation, not a ``SIGBUS`` when the copy touches a missing page. On that error, or
-when ``SOLOSAVE_STAGING_DIR`` / ``staging_dir`` asks for it, the buffer is a file in a directory
-with room (memory-mapped, shared with the worker the same way), with one warning saying how to
-give the container more shared memory. The trainer owns every buffer: it unlinks it on
-``close()``, on garbage collection of the checkpointer, and (shared memory) its resource tracker
-unlinks it if the process is killed.
+The buffer (``_buffer.py``) is shared memory that the worker maps. With the default blocking
+staging of CPU tensors, the job goes to the worker *before* the copies, which then report their
+progress group by group (``_watermark.py``), so the worker writes while the trainer copies.
 
 CUDA tensors: the buffer is registered as pinned memory (``cudaHostRegister``; if that fails the
 copies still work, unpinned), the copies run on a side stream that first waits for the current
@@ -23,154 +18,36 @@ optimizer step) cannot overwrite a tensor before it is copied. The event stays i
 process: the checkpointer waits for it in a background thread before the job goes to the worker,
 so the worker never initialises CUDA.
 
-Owner: :class:`Stager` lives in the trainer process; :class:`BufferReader` is its worker-side
-counterpart.
+Owner: :class:`Stager` and :class:`Staging` live in the trainer process; the worker reads the
+buffer through ``_buffer.BufferReader``.
 """
 
 from __future__ import annotations
 
-import errno
-import logging
-import mmap
 import os
-import tempfile
 import threading
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from typing import Any
 
 import torch
 
+from ._buffer import STAGING_DIR_ENV, _Buffer
 from ._errors import SaveTimeoutError, StagingRaceError
-from ._format import dtype_from_name
 from ._plan import serialize_bytes
 from ._protocol import ItemKind, ItemSpec, StagedItem, StagedSave
 
-log = logging.getLogger("solosave")
-
 #: Alignment of every tensor inside a staging buffer (bytes).
 ALIGN = 64
-#: Prefix of every shared-memory segment and staging file solosave creates.
-SEGMENT_PREFIX = "solosave_"
-#: Environment variable: a directory for file-backed staging buffers (instead of /dev/shm).
-STAGING_DIR_ENV = "SOLOSAVE_STAGING_DIR"
-_SHM_DIR = "/dev/shm"  # noqa: S108 - where Linux keeps POSIX shared memory, not a temp file
+#: A progressive save's copies report their progress after about this many bytes (see
+#: ``_watermark.py``): the worker's first write waits for one group, and each group costs one
+#: pipe message.
+GROUP_BYTES = 4 << 20
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-class _Buffer:
-    """One staging buffer: shared memory with reserved pages, or a memory-mapped file."""
-
-    def __init__(self, size: int, staging_dir: str | None) -> None:
-        self.size = max(size, 1)
-        self.shm: shared_memory.SharedMemory | None = None
-        self.path: str | None = None
-        self._mmap: mmap.mmap | None = None
-        self._file_unlinked = False
-        name = f"{SEGMENT_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}"
-        if staging_dir is None:
-            try:
-                self._create_shm(name)
-            except OSError as e:
-                staging_dir = tempfile.gettempdir()
-                log.warning(
-                    "solosave: /dev/shm cannot hold the %d-byte staging buffer (%s); staging in a "
-                    "file under %s instead. Give the container more shared memory (docker run "
-                    "--shm-size=<per-rank state x ranks per host + 10%%>, or --ipc=host), or set "
-                    "%s to a directory with room to silence this.", self.size, e.strerror or e,
-                    staging_dir, STAGING_DIR_ENV)
-        if self.shm is None:
-            self._create_file(os.path.join(staging_dir or tempfile.gettempdir(), name))
-        view = self.shm.buf if self.shm is not None else self._mmap
-        self.base = torch.frombuffer(view, dtype=torch.uint8, count=self.size)
-        self.pinned = False
-
-    def _create_shm(self, name: str) -> None:
-        shm = shared_memory.SharedMemory(create=True, size=self.size, name=name)
-        try:
-            os.posix_fallocate(shm._fd, 0, self.size)  # type: ignore[attr-defined]
-        except OSError:
-            _close_shm(shm)
-            raise
-        self.shm = shm
-
-    def _create_file(self, path: str) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, self.size)
-            self._mmap = mmap.mmap(fd, self.size)
-        except OSError as e:
-            os.close(fd)
-            os.unlink(path)
-            raise OSError(e.errno or errno.ENOSPC,
-                          f"cannot reserve {self.size} bytes for the staging buffer in "
-                          f"{os.path.dirname(path)} ({e.strerror}); set {STAGING_DIR_ENV} to a "
-                          "directory with room") from e
-        os.close(fd)
-        self.path = path
-
-    @property
-    def name(self) -> str:
-        return f"shm:{self.shm.name}" if self.shm is not None else f"file:{self.path}"
-
-    def pin(self) -> None:
-        rc = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), self.size, 0)
-        if int(rc) != 0:
-            log.warning("solosave: cudaHostRegister of the %d-byte staging buffer failed (code %s); "
-                        "device-to-host copies run unpinned (slower)", self.size, rc)
-            return
-        self.pinned = True
-
-    def view(self, offset: int, spec: ItemSpec) -> torch.Tensor:
-        dtype = dtype_from_name(spec.dtype or "")
-        if spec.nbytes == 0:
-            return torch.empty(spec.sizes or (), dtype=dtype)
-        return self.base[offset:offset + spec.nbytes].view(dtype).view(spec.sizes or ())
-
-    def forget_path(self) -> None:
-        """File-backed: unlink the file once the worker has it mapped (no leftover on a kill)."""
-        if self.path is not None and not self._file_unlinked:
-            _unlink(self.path)
-            self._file_unlinked = True
-
-    def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
-            self.pinned = False
-        self.base = None  # type: ignore[assignment]
-        if self.shm is not None:
-            _close_shm(self.shm)
-            self.shm = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # views still alive: the mapping goes with them
-                pass
-            self._mmap = None
-            self.forget_path()
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _close_shm(shm: shared_memory.SharedMemory) -> None:
-    try:
-        shm.close()
-    except BufferError:  # views still alive somewhere: the mapping goes with them
-        pass
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
 
 
 @dataclass(slots=True)
@@ -185,6 +62,9 @@ class _Plan:
     others: list[ItemSpec]
     views: list[torch.Tensor]
     items: tuple[StagedItem, ...]
+    #: ``(start, stop, end)``: the tensors ``[start, stop)`` copied together, and the end of the
+    #: last one's bytes in the buffer (progressive saves).
+    groups: list[tuple[int, int, int]]
 
 
 class Stager:
@@ -234,17 +114,20 @@ class Stager:
         views = [buf.view(offsets[s.key], s) for s in tensors] if buf is not None else []
         self._plan = _Plan(specs, "cuda" in devices, devices <= {"cpu"}, tensors,
                            [s for s in specs if s.kind is not ItemKind.TENSOR], views,
-                           tuple(StagedItem(s, offsets[s.key]) for s in tensors))
+                           tuple(StagedItem(s, offsets[s.key]) for s in tensors),
+                           _groups([offsets[s.key] for s in tensors], [s.nbytes for s in tensors]))
         return self._plan
 
-    def stage(self, specs: list[ItemSpec], values: dict[str, Any], overlap: bool = False
-              ) -> tuple[StagedSave, Staging]:
+    def stage(self, specs: list[ItemSpec], values: dict[str, Any], overlap: bool = False,
+              defer: bool = False) -> tuple[StagedSave, Staging]:
         """Copy ``specs``' values (looked up by fqn in ``values``) into host memory.
 
         Non-tensor values are serialized now, in every mode. Tensors: copied before this
         returns (CPU), or enqueued on a side stream that the current stream waits for (CUDA).
         With ``overlap``, the copies proceed after this returns (a thread for CPU tensors, the
         side stream alone for CUDA ones) and the returned :class:`Staging` says when they end.
+        With ``defer`` (and neither CUDA nor ``overlap``), CPU copies are left to the caller:
+        ``staging.progressive`` is then true and :meth:`Staging.copy` runs them.
         """
         plan = self._plan_for(specs, values)
         srcs = [values[s.fqn] for s in plan.tensors]
@@ -252,6 +135,8 @@ class Stager:
         staging = Staging(srcs if overlap else [])
         if plan.on_cuda:
             staging.event = self._copy_cuda(plan, srcs, overlap)
+        elif defer and not overlap and srcs:
+            staging.deferred = (plan, srcs)
         elif overlap and srcs:
             threading.Thread(target=staging.run, args=(lambda: _copy_cpu(plan, srcs),),
                              name="solosave-stage", daemon=True).start()
@@ -292,15 +177,33 @@ class Stager:
         self._plan = None
 
 
-def _copy_cpu(plan: _Plan, srcs: list[Any]) -> None:
+def _groups(offsets: list[int], nbytes: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive tensors in groups of about :data:`GROUP_BYTES` (see :class:`_Plan`)."""
+    out, start, size = [], 0, 0
+    for i, n in enumerate(nbytes):
+        size += n
+        if size >= GROUP_BYTES or i == len(nbytes) - 1:
+            out.append((start, i + 1, offsets[i] + n))
+            start, size = i + 1, 0
+    return out
+
+
+def _copy_cpu(plan: _Plan, srcs: list[Any], progress: Callable[[int], None] | None = None) -> None:
+    """Copy ``srcs`` into the plan's views; with ``progress``, group by group in buffer order,
+    calling ``progress(end)`` after each (``end``: the bytes now staged)."""
     if not srcs:
         return
+    whole = [(0, len(srcs), 0)]
     with torch.no_grad():
-        if plan.all_cpu and _foreach_copy is not None:
-            _foreach_copy(plan.views, srcs)
-            return
-        for dst, src in zip(plan.views, srcs):
-            dst.copy_(src if src.device.type == "cpu" else src.cpu())
+        for start, stop, end in plan.groups if progress is not None else whole:
+            dsts, part = plan.views[start:stop], srcs[start:stop]
+            if plan.all_cpu and _foreach_copy is not None:
+                _foreach_copy(dsts, part)
+            else:
+                for dst, src in zip(dsts, part):
+                    dst.copy_(src if src.device.type == "cpu" else src.cpu())
+            if progress is not None:
+                progress(end)
 
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
@@ -318,6 +221,8 @@ class Staging:
 
     def __init__(self, sources: list[Any]) -> None:
         self.event: Any = None
+        #: A progressive save's copies, still to run (:meth:`copy`).
+        self.deferred: tuple[_Plan, list[Any]] | None = None
         self.sources = sources
         self._versions = [t._version for t in sources]
         self._done = threading.Event()
@@ -325,6 +230,19 @@ class Staging:
             self._done.set()
         self.error: BaseException | None = None
         self._checked = False
+
+    @property
+    def progressive(self) -> bool:
+        """The copies are left to :meth:`copy` (``Stager.stage(..., defer=True)``)."""
+        return self.deferred is not None
+
+    def copy(self, progress: Callable[[int], None]) -> None:
+        """Progressive save, calling thread, after the job went to the worker: run the copies
+        in buffer order, calling ``progress(end)`` after each group (see ``_watermark.py``)."""
+        if self.deferred is not None:
+            plan, srcs = self.deferred
+            self.deferred = None
+            _copy_cpu(plan, srcs, progress)
 
     def run(self, copy: Any) -> None:
         """CPU overlap: run ``copy`` (in the staging thread), check, and mark done."""
@@ -379,67 +297,5 @@ class Staging:
     @property
     def immediate(self) -> bool:
         """Nothing to wait for: the copies are done and checked."""
-        return self.event is None and self._done.is_set() and self.error is None and not self.sources
-
-
-class BufferReader:
-    """Worker-side view of the trainer's staging buffer (mapped once, kept while current).
-
-    It maps the segment's file directly (``/dev/shm/<name>`` or the staging file; writable, as
-    ``torch.frombuffer`` wants, though the reader only reads), without
-    ``multiprocessing.shared_memory``: no resource tracker learns of it, so a reader
-    never unlinks, or unregisters, a buffer that its trainer owns (thread mode shares the
-    trainer's tracker)."""
-
-    def __init__(self) -> None:
-        self._name: str | None = None
-        self._mmap: mmap.mmap | None = None
-        #: Views made for the items of the current mapping, by item identity (a job of an
-        #: unchanged structure brings the same item objects): made once, not per save.
-        self._views: dict[int, tuple[StagedItem, torch.Tensor]] = {}
-
-    def tensor(self, staged: StagedSave, item: StagedItem) -> torch.Tensor:
-        """A tensor over exactly this item's bytes (its storage is the item, nothing more)."""
-        if staged.buffer != self._name or self._mmap is None:
-            self.close()
-            self._mmap = _map(staged.buffer or "", staged.buffer_size)
-            self._name = staged.buffer
-        hit = self._views.get(id(item))
-        if hit is not None and hit[0] is item:
-            return hit[1]
-        spec = item.spec
-        dtype = dtype_from_name(spec.dtype or "")
-        if spec.nbytes == 0:
-            return torch.empty(spec.sizes or (), dtype=dtype)
-        flat = torch.frombuffer(self._mmap, dtype=torch.uint8, count=spec.nbytes, offset=item.offset)
-        view = flat.view(dtype).view(spec.sizes or ())
-        self._views[id(item)] = (item, view)
-        return view
-
-    def keep_only(self, items: list[StagedItem]) -> None:
-        """Forget the views of items other than ``items`` (bounded: one structure's views)."""
-        if len(self._views) > len(items):
-            keep = {id(it) for it in items}
-            self._views = {k: v for k, v in self._views.items() if k in keep}
-
-    def close(self) -> None:
-        self._views = {}
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # a tensor view is still alive; the mapping goes with it
-                pass
-        self._mmap = None
-        self._name = None
-
-
-def _map(name: str, size: int) -> mmap.mmap:
-    kind, _, where = name.partition(":")
-    path = os.path.join(_SHM_DIR, where) if kind == "shm" else where
-    if kind not in ("shm", "file") or not where:
-        raise ValueError(f"internal: unknown staging buffer {name!r}")
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, max(size, 1))
-    finally:
-        os.close(fd)
+        return (self.event is None and self.deferred is None and self._done.is_set() and self.error is None
+                and not self.sources)
