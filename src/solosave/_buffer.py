@@ -165,10 +165,8 @@ class BufferReader:
 
     def tensor(self, staged: StagedSave, item: StagedItem) -> torch.Tensor:
         """A tensor over exactly this item's bytes (its storage is the item, nothing more)."""
-        if staged.buffer != self._name or self._mmap is None:
-            self.close()
-            self._mmap = _map(staged.buffer or "", staged.buffer_size)
-            self._name = staged.buffer
+        if self.mapping(staged) is None:
+            raise ValueError(f"internal: {item.spec.fqn!r} is staged, but its job names no staging buffer")
         hit = self._views.get(id(item))
         if hit is not None and hit[0] is item:
             return hit[1]
@@ -180,6 +178,16 @@ class BufferReader:
         view = flat.view(dtype).view(spec.sizes or ())
         self._views[id(item)] = (item, view)
         return view
+
+    def mapping(self, staged: StagedSave) -> object:
+        """Map ``staged``'s buffer if it is not the current one; returns the mapping, whose
+        identity changes whenever earlier views stop being this buffer's."""
+        if staged.buffer != self._name or self._mmap is None:
+            self.close()
+            if staged.buffer is not None:
+                self._mmap = _map(staged.buffer, staged.buffer_size)
+                self._name = staged.buffer
+        return self._mmap
 
     def keep_only(self, items: list[StagedItem]) -> None:
         """Forget the views of items other than ``items`` (bounded: one structure's views)."""

@@ -31,6 +31,7 @@ collectives with another's. The checkpointer must then be closed and recreated o
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import threading
 import time
@@ -38,6 +39,7 @@ import traceback
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from . import _index as index
@@ -50,8 +52,11 @@ from ._prepared import PreparedMetadata
 from ._protocol import (
     EngineSettings,
     ErrorKind,
+    ItemSpec,
     JobOutcome,
     Mode,
+    PlacedItem,
+    ReusePlan,
     SaveJob,
     SaveKind,
     StagedItem,
@@ -97,6 +102,8 @@ class Engine:
         self.broken: tuple[ErrorKind, str] | None = None
         #: The running job's staging progress (a progressive job only; see ``_watermark.py``).
         self._staged: Watermark | None = None
+        #: The reuse write of the last structure (see :class:`_ReuseProgram`).
+        self._reuse_program: _ReuseProgram | None = None
 
     @property
     def workers(self) -> int:
@@ -104,6 +111,7 @@ class Engine:
 
     def close(self) -> None:
         self._records = {}  # they hold views of the mapping the reader closes
+        self._reuse_program = None
         self.reader.close()
 
     # ------------------------------------------------------------------------------------
@@ -149,18 +157,24 @@ class Engine:
     # -- writing ----------------------------------------------------------------------------
     def write(self, job: SaveJob, files: list[tuple[str, list[StagedItem]]], pad: dict,
               timings: dict[str, float]) -> list[WriteResult]:
-        """Write this rank's files of ``job`` (``pad``: slot length per BYTES item key). A
-        progressive job's records wait for their bytes (a writer that overrides ``write_files``
-        or ``write_file`` gets them once the copy ended); either way the copy must end well
-        before the write counts as done."""
+        """Write this rank's files of ``job`` (``pad``: slot length per BYTES item key)."""
         t0 = time.perf_counter()
-        storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
-        unpublish(job.directory, self.settings.storage_options)  # never an old .metadata next to new data
         todo = [(name, [self._record(job, it, pad) for it in items]) for name, items in files]
         kept = [it for _, items in files for it in items]
         self.reader.keep_only(kept)
         if len(self._records) > sum(it.payload is None for it in kept):
             self._records = {k: r for k, r in ((id(it), self._records.get(id(it))) for it in kept) if r is not None}
+        timings["write"] += time.perf_counter() - t0
+        return self._write_records(job, todo, timings)
+
+    def _write_records(self, job: SaveJob, todo: list[tuple[str, list[Record]]],
+                       timings: dict[str, float]) -> list[WriteResult]:
+        """Write ``todo`` into ``job``'s directory. A progressive job's records wait for their
+        bytes (a writer that overrides ``write_files`` or ``write_file`` gets them once the copy
+        ended); either way the copy must end well before the write counts as done."""
+        t0 = time.perf_counter()
+        storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
+        unpublish(job.directory, self.settings.storage_options)  # never an old .metadata next to new data
         staged = self._staged
         try:
             if staged is None:
@@ -236,16 +250,32 @@ class Engine:
             return Status.FAILED, [], None, "internal: a reuse job without a reuse plan"
         if plan.drift:
             return Status.DRIFT, list(plan.drift), None, None
-        staged = {it.spec.key: it for it in job.staged.items}
-        placed = plan.placed()
         try:
-            files = [(rel, [staged[p.key] for p in items]) for rel, items in plan.layout]
-            pad = {p.key: p.length for p in placed if staged[p.key].payload is not None}
-            results = self.write(job, files, pad, timings)
+            program = self._program(job, plan)
+            results = self._write_records(job, program.records(job, self), timings)
         except Exception as e:  # noqa: BLE001 - becomes status FAILED on every rank
             return Status.FAILED, [], None, describe(e)
-        drifts = check_layout(placed, results)
+        if results == program.checked:  # what this structure wrote last time, checked then
+            return Status.OK, [], results, None
+        drifts = check_layout(program.placed, results)
+        if not drifts:
+            program.checked = results
         return (Status.DRIFT if drifts else Status.OK), drifts, results, None
+
+    def _program(self, job: SaveJob, plan: ReusePlan) -> _ReuseProgram:
+        """The reuse write of ``job``'s structure: the last one if the job brings the same plan
+        and item specs (as every job of an unchanged structure does), else a new one."""
+        items = job.staged.items
+        p = self._reuse_program
+        if (p is not None and p.plan is plan and len(p.specs) == len(items)
+                and all(map(operator.is_, p.specs, [it.spec for it in items]))):
+            return p
+        at = {it.spec.key: i for i, it in enumerate(items)}
+        placed = plan.placed()
+        files = [(rel, [at[x.key] for x in xs]) for rel, xs in plan.layout]
+        pad = {x.key: x.length for x in placed if items[at[x.key]].payload is not None}
+        self._reuse_program = p = _ReuseProgram(plan, tuple(it.spec for it in items), files, pad, placed)
+        return p
 
     def _index_beside(self, job: SaveJob, prepared: Any, save_id: str) -> threading.Thread | None:
         """Coordinator of a reuse save: write the load index on a thread while this rank writes
@@ -314,6 +344,36 @@ class Engine:
         return JobOutcome(job.seq, ok, SaveKind.REUSE, None if ok else ErrorKind.FAILED,
                           bytes_written=sum(r[3] for r in results or ()),
                           failures={} if ok else {ch.coordinator: error}, published=ok)
+
+
+@dataclass(slots=True)
+class _ReuseProgram:
+    """What a reuse save of one structure writes, worked out once per structure instead of per
+    save (issue 13: 2 to 4 ms per save of 2048 items, on the way to the first byte): each file's
+    items as positions in the job's staged items, the slots of BYTES items, the placed items,
+    the tensor records (over the reader's current mapping) and the results of the last write
+    that passed the layout check."""
+
+    plan: ReusePlan
+    specs: tuple[ItemSpec, ...]
+    files: list[tuple[str, list[int]]]
+    pad: dict
+    placed: list[PlacedItem]
+    checked: list[WriteResult] | None = None
+    tensor_records: list[list[Record | None]] | None = None
+    mapping: object = None
+
+    def records(self, job: SaveJob, engine: Engine) -> list[tuple[str, list[Record]]]:
+        """Each file's records for ``job``: the cached tensor records while the reader keeps
+        its mapping, and new records of the BYTES items' payloads."""
+        items = job.staged.items
+        mapping = engine.reader.mapping(job.staged)
+        if self.tensor_records is None or self.mapping is not mapping:
+            self.tensor_records = [[None if items[i].payload is not None else engine._record(job, items[i], self.pad)
+                                    for i in idx] for _, idx in self.files]
+            self.mapping = mapping
+        return [(rel, [r if r is not None else engine._record(job, items[i], self.pad) for r, i in zip(recs, idx)])
+                for (rel, idx), recs in zip(self.files, self.tensor_records)]
 
 
 def _waits_per_record(writer: FileWriter) -> bool:
