@@ -44,11 +44,11 @@ def test_save_at_4_load_at_2_and_stock_reader(tmp_path):
 
 def test_snapshot_semantics_worker_reuse_and_layout_determinism(tmp_path):
     out = run_ranks(rank_fns.snapshot_and_worker_reuse, 2, str(tmp_path))
-    for pids, alive, same_layout, placement in out:
+    for pids, alive, same_layout in out:
         assert len(set(pids)) == 1 and pids[0] != os.getpid()
         assert alive == [True]
         assert same_layout
-        assert placement == (min(10, 19 - os.getpriority(os.PRIO_PROCESS, 0)), True, True)  # worker_nice    assert out[0][0][0] != out[1][0][0]
+    assert out[0][0][0] != out[1][0][0]
 
 
 

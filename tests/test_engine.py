@@ -10,9 +10,8 @@ import torch
 from solosave._coordinate import local_channels
 from solosave._engine import Engine
 from solosave._options import CheckpointerOptions
-from solosave._protocol import EngineSettings, ErrorKind, SaveKind, StageProgress
+from solosave._protocol import EngineSettings, ErrorKind, SaveKind
 from solosave._session import SaveSession
-from solosave._watermark import Watermark
 from solosave._write import FileWriter
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,12 +43,7 @@ class Ranks:
         self.engines = [engine_cls(ch, settings, writer or FileWriter(fsync=False)) for ch in channels]
         self.sessions = [SaveSession(r, world, opts, None) for r in range(world)]
 
-    def save(self, state_of, name, abort_on=(), skip_seq_on=(), progressive=False, fail_copy_on=(),
-             copied=None):
-        """``progressive``: every rank's job goes to its engine before its copies, which a thread
-        then runs, reporting to the job's watermark (as ``AsyncCheckpointer.save`` does); the
-        copies of ``fail_copy_on`` fail instead; ``copied`` (an event) is set once a rank's
-        copies are done, 0.3 s before it reports the end."""
+    def save(self, state_of, name, abort_on=(), skip_seq_on=()):
         out = [None] * self.world
 
         def rank(r):
@@ -57,16 +51,11 @@ class Ranks:
             path = str(self.tmp / name)
             if r in skip_seq_on:
                 s.seq += 1  # this rank's save() "timed out" earlier: it is one save ahead
-            staged = None
             if r in abort_on:
                 job = s.abort(path, TypeError(f"a value only rank {r} holds cannot be saved"))
             else:
-                built = s.build(state_of(r), path, defer=progressive)
-                job = built.job
-                if job.progressive:
-                    staged = Watermark(job.seq, 10)
-                    threading.Thread(target=_copy, args=(built.staging, staged, r in fail_copy_on, copied)).start()
-            out[r] = self.engines[r].run(job, staged)
+                job = s.build(state_of(r), path).job
+            out[r] = self.engines[r].run(job)
             s.absorb(out[r])
 
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(self.world)]
@@ -82,21 +71,6 @@ class Ranks:
             s.close()
         for e in self.engines:
             e.close()
-
-
-def _copy(staging, staged, fail, copied):
-    """A trainer's copies of a progressive save, reported to ``staged`` (see ``Ranks.save``)."""
-    import time
-
-    if fail:
-        staging.deferred = None  # nothing copied
-        staged.update(StageProgress(staged.seq, 0, True, "save() raised on this rank: RuntimeError: injected"))
-        return
-    staging.copy(lambda end: staged.update(StageProgress(staged.seq, end)))
-    if copied is not None:
-        time.sleep(0.3)  # a writer that did not wait for the end would run now
-        copied.set()
-    staged.update(StageProgress(staged.seq, 1 << 62, True))
 
 
 def state(r, grow=False, lose=None):
@@ -284,67 +258,33 @@ def test_a_directory_name_that_is_not_utf8_saves_and_loads(ranks, tmp_path, case
              "create and reuse saves publish; stock dcp.load reads it; later saves work")
 
 
-def big_state(r, step=0):
-    """Several copy groups per rank (``_stage.GROUP_BYTES``), under keys of its own, with values
-    that depend on ``step``."""
-    g = torch.Generator().manual_seed(100 * r + step)
-    return {f"r{r}.layer{i}.w": torch.randn(256, 1024, generator=g) for i in range(12)} | {"step": step}
+def _stepped(r, step):
+    sd = state(r)
+    sd["meta"]["step"] = step  # a new payload, the same structure
+    return sd
 
 
-def test_a_progressive_save_writes_during_the_copy_and_publishes_the_values_of_the_call(ranks, tmp_path):
+def test_a_steady_structure_reuses_its_write_program_and_still_sees_a_drift(ranks, tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from solosave import _stage
+    from solosave import _engine
 
+    checks = []
+    real = _engine.check_layout
+    monkeypatch.setattr(_engine, "check_layout", lambda placed, results: checks.append(1) or real(placed, results))
     rk = ranks(2, assume_constant_structure=True)
-    assert _stage.GROUP_BYTES * 2 < 12 * 256 * 1024 * 4  # several groups per rank
-    for i, mode in enumerate(("create", "reuse", "reuse")):
-        outs = rk.save(lambda r, i=i: big_state(r, i), f"c{i}", progressive=True)
-        assert all(o.ok and o.published for o in outs), [o.failures for o in outs]
-        assert kinds(outs) == [SaveKind(mode)] * 2
-        if mode == "reuse":
-            assert all(counts(o) == {"all_reduce": [1, 8]} for o in outs)
-    want = big_state(0, 2) | big_state(1, 2)
-    got = {k: torch.zeros_like(v) for k, v in want.items() if k != "step"} | {"step": -1}
-    dcp.load(got, checkpoint_id=str(tmp_path / "c2"), no_dist=True)
-    assert got["step"] == 2 and all(torch.equal(got[k], want[k]) for k in want if k != "step")
-
-
-def test_a_copy_that_fails_on_one_rank_fails_the_save_everywhere_and_the_next_works(ranks, tmp_path):
-    rk = ranks(2, assume_constant_structure=True)
-    rk.save(big_state, "c0", progressive=True)
-    for name in ("bad_reuse", "bad_collective"):
-        if name == "bad_collective":
-            for s in rk.sessions:
-                s.prepared = None
-        outs = rk.save(big_state, name, progressive=True, fail_copy_on={1})
-        assert all(not o.ok and o.error_kind is ErrorKind.FAILED for o in outs), name
-        assert all(list(o.failures) == [1] for o in outs), [o.failures for o in outs]
-        assert all("staging failed on this rank: save() raised on this rank: RuntimeError: injected"
-                   in o.failures[1] for o in outs), outs
-        assert not (tmp_path / name / ".metadata").exists()
-        assert all(e.broken is None for e in rk.engines)
-        ok = rk.save(big_state, f"after_{name}", progressive=True)
-        assert all(o.ok and o.published for o in ok), [o.failures for o in ok]
-
-
-class EntryCheckingWriter(FileWriter):
-    """Overrides write_file: records whether the copies had ended when it was called."""
-
-    def __init__(self, copied):
-        super().__init__(fsync=False)
-        self.copied = copied
-        self.early = []
-
-    def write_file(self, directory, relative_path, records):
-        self.early.append(not self.copied.is_set())
-        return super().write_file(directory, relative_path, records)
-
-
-def test_a_writer_that_overrides_write_file_gets_its_records_after_the_copy(ranks):
-    copied = threading.Event()
-    writer = EntryCheckingWriter(copied)
-    rk = ranks(1, writer=writer)
-    outs = rk.save(big_state, "c0", progressive=True, copied=copied)
-    assert outs[0].ok and outs[0].published, outs[0].failures
-    assert writer.early == [False]
+    rk.save(state, "c0")  # create
+    rk.save(state, "c1")  # the first reuse save works the program out and checks its layout
+    programs, n = [e._reuse_program for e in rk.engines], len(checks)
+    assert all(p is not None and p.checked is not None for p in programs) and n == 2
+    for i in (2, 3):
+        outs = rk.save(lambda r, i=i: _stepped(r, i), f"c{i}")
+        assert kinds(outs) == [SaveKind.REUSE] * 2 and all(o.ok and o.published for o in outs)
+    assert all(e._reuse_program is p for e, p in zip(rk.engines, programs))
+    assert len(checks) == n  # the same layout as the last checked one: no check needed
+    got = {"w": torch.zeros(64), "meta": {"step": -1, "sched": []}}
+    dcp.load(got, checkpoint_id=str(tmp_path / "c3"), no_dist=True)
+    assert got["meta"]["step"] == 3 and torch.equal(got["w"], torch.arange(64, dtype=torch.float32))
+    outs = rk.save(lambda r: state(r, grow=True), "c4")  # a payload outgrows its slot: checked, drifted
+    assert kinds(outs) == [SaveKind.FALLBACK] * 2 and all(o.ok and o.published for o in outs)
+    assert len(checks) == n + 1  # "meta" (replicated) is written by one rank: its results changed

@@ -287,27 +287,3 @@ def test_save_raising_on_one_rank_only(tmp_path, case_log):
              f"that rank: TypeError from save(); the other rank's wait(): CheckpointError naming rank 1 "
              f"and its TypeError after {e['after_s']} s (timeout {timeout:g} s); no .metadata for c1; "
              "the same checkpointers saved c2 and c3, which load", time.monotonic() - t0)
-
-
-@pytest.mark.timeout(150)
-def test_a_staging_copy_that_fails_after_its_job_was_sent(tmp_path, case_log):
-    """Rank 1's copy of c1 fails once its worker already has the job (a progressive save): its
-    save() raises, and every rank's c1 fails at once naming rank 1 and its error; c2 saves."""
-    t0 = time.monotonic()
-    timeout = 10.0
-    outs = run_ranks(F.copy_fails_on_one_rank, 2, str(tmp_path), timeout, timeout=140)
-    assert outs[1]["steps"][1]["save"]["type"] == "RuntimeError", outs[1]
-    e = outs[0]["steps"][1]["wait"]
-    assert e["is_checkpoint_error"] and e["failures"] == [1], e
-    assert ("staging failed on this rank: save() raised on this rank: RuntimeError: injected: the copy failed"
-            in e["msg"]), e
-    assert e["after_s"] < timeout, e  # the failure itself arrived, not the timeout
-    for o in outs:
-        assert o["steps"][2]["wait"]["type"] is None and o["steps"][2]["wait"]["published"], o["steps"][2]
-    assert not _published(tmp_path / "c1")
-    for i in (0, 2):
-        F.check_loads(str(tmp_path / f"c{i}"), 2, i)
-    case_log("a staging copy fails on one rank after its job went to the worker (progressive save)",
-             f"that rank: RuntimeError from save(); the other rank's wait(): CheckpointError naming rank 1 "
-             f"and the copy's error after {e['after_s']} s (timeout {timeout:g} s); no .metadata for c1; "
-             "the same checkpointers saved c2, which loads", time.monotonic() - t0)

@@ -199,8 +199,12 @@ class BufferReader:
         self._views = {}
         if self._mmap is not None:
             try:
+                # Unmaps even under live views: torch.frombuffer keeps no buffer export (checked
+                # with torch 2.13), so a view made before this must never be read again. The
+                # engine's caches drop or replace theirs: they are matched by view or mapping
+                # identity, and a new mapping gives new views.
                 self._mmap.close()
-            except BufferError:  # a tensor view is still alive; the mapping goes with it
+            except BufferError:  # a memoryview export is still alive; the mapping goes with it
                 pass
         self._mmap = None
         self._name = None

@@ -38,9 +38,9 @@ from ._handle import SaveHandle
 from ._layout import gc_paused
 from ._options import CheckpointerOptions
 from ._prepared import PreparedMetadata, load_prepared_metadata
-from ._protocol import ChannelSpec, EngineSettings, ErrorKind, JobOutcome, SaveJob, SaveKind, StageProgress, WorkerSetup
+from ._protocol import ChannelSpec, EngineSettings, ErrorKind, JobOutcome, SaveJob, SaveKind, WorkerSetup
 from ._result import SaveResult
-from ._session import BuiltJob, SaveSession, normalize_directory
+from ._session import SaveSession, normalize_directory
 from ._stage import Staging
 from ._storage import check_local_path, check_url_destination, is_url, join, path_exists
 from ._worker import ProcessTransport, ThreadTransport
@@ -115,7 +115,7 @@ class AsyncCheckpointer:
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
         if o.persistent_worker:
             spec = ChannelSpec(host, port, prefix, self.rank, self.world_size, float(o.timeout))
-            self._res.transport = ProcessTransport(WorkerSetup(spec, settings, writer, os.getpid(), o.worker_nice))
+            self._res.transport = ProcessTransport(WorkerSetup(spec, settings, writer, os.getpid()))
             return
         import datetime
 
@@ -209,7 +209,7 @@ class AsyncCheckpointer:
             # objects per item, enough to set off a generation-2 pass (21 ms per save of 2048
             # tensors, py-spy, issue 13). Reference counting frees them; the collector resumes.
             with gc_paused():
-                built = self._session.build(state_dict, directory, defer=True)
+                built = self._session.build(state_dict, directory)
         except Exception as e:
             abort = self._session.abort(normalize_directory(path), e)
             self._inflight = SaveHandle(self, abort, t_start, 0.0, 0.0, 0.0, ())
@@ -218,38 +218,12 @@ class AsyncCheckpointer:
             except WorkerDiedError:  # nothing to fail: the next save reports the dead worker
                 self._inflight = None
             raise
-        stage_s = built.stage_s
-        if built.staging.progressive:
-            stage_s += self._copy_progressive(built, t_start)
-        handle = SaveHandle(self, built.job, t_start, built.plan_s, stage_s,
+        handle = SaveHandle(self, built.job, t_start, built.plan_s, built.stage_s,
                             time.perf_counter() - p0, tuple(self._setup_counter.since(mark)))
         handle._staging = built.staging
         self._inflight = handle
-        if not built.job.progressive:
-            self._submit(built.job, built.staging)
+        self._submit(built.job, built.staging)
         return handle
-
-    def _copy_progressive(self, built: BuiltJob, t_start: float) -> float:
-        """Send the job, then copy its tensors, telling the worker after each group how far the
-        copy got (``_watermark.py``); returns the copy's duration. A copy that fails fails the
-        save on every rank (the worker learns why) and raises here."""
-        job = built.job
-        self._inflight = SaveHandle(self, job, t_start, 0.0, 0.0, 0.0, ())
-        self._inflight.reported = True  # until save() returns the handle: a raise reports it
-        self._transport.submit(job)
-        send = self._transport.progress
-        t0 = time.perf_counter()
-        try:
-            with gc_paused():
-                built.staging.copy(lambda end: send(StageProgress(job.seq, end)))
-            send(StageProgress(job.seq, job.staged.buffer_size, True))
-        except Exception as e:
-            try:
-                send(StageProgress(job.seq, 0, True, f"save() raised on this rank: {type(e).__name__}: {e}"))
-            except WorkerDiedError:  # nothing to fail: the next save reports the dead worker
-                pass
-            raise
-        return time.perf_counter() - t0
 
     def _submit(self, job: SaveJob, staging: Staging | None) -> None:
         """Hand ``job`` to the worker; when its copies are still running (CUDA, overlapped

@@ -67,7 +67,6 @@ from ._protocol import (
 )
 from ._publish import MetadataTemplate, publish_metadata, unpublish
 from ._storage import is_url, storage_for
-from ._watermark import Watermark
 from ._write import FileWriter, Record
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
@@ -100,8 +99,6 @@ class Engine:
         self.warnings: list[str] = []
         #: Why the channel cannot be used any more, and the kind of that failure.
         self.broken: tuple[ErrorKind, str] | None = None
-        #: The running job's staging progress (a progressive job only; see ``_watermark.py``).
-        self._staged: Watermark | None = None
         #: The reuse write of the last structure (see :class:`_ReuseProgram`).
         self._reuse_program: _ReuseProgram | None = None
 
@@ -115,16 +112,8 @@ class Engine:
         self.reader.close()
 
     # ------------------------------------------------------------------------------------
-    def run(self, job: SaveJob, staged: Watermark | None = None) -> JobOutcome:
-        """Run one save on this rank (every rank runs the same job; see the module doc).
-        ``staged``: the job is progressive, its tensors still being copied (``_watermark.py``)."""
-        self._staged = staged
-        try:
-            return self._run(job)
-        finally:
-            self._staged = None
-
-    def _run(self, job: SaveJob) -> JobOutcome:
+    def run(self, job: SaveJob) -> JobOutcome:
+        """Run one save on this rank (every rank runs the same job; see the module doc)."""
         mark = self.channel.counter.mark()
         timings: dict[str, float] = defaultdict(float)
         if self.broken is not None:
@@ -169,23 +158,12 @@ class Engine:
 
     def _write_records(self, job: SaveJob, todo: list[tuple[str, list[Record]]],
                        timings: dict[str, float]) -> list[WriteResult]:
-        """Write ``todo`` into ``job``'s directory. A progressive job's records wait for their
-        bytes (a writer that overrides ``write_files`` or ``write_file`` gets them once the copy
-        ended); either way the copy must end well before the write counts as done."""
+        """Write ``todo`` (each file's records) into ``job``'s directory."""
         t0 = time.perf_counter()
         storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
         unpublish(job.directory, self.settings.storage_options)  # never an old .metadata next to new data
-        staged = self._staged
         try:
-            if staged is None:
-                return self.writer.write_files(job.directory, todo)
-            if _waits_per_record(self.writer):
-                results = self.writer.write_files(job.directory, todo, staged=staged)
-            else:
-                staged.wait_done()
-                results = self.writer.write_files(job.directory, todo)
-            staged.wait_done()  # a copy that failed after its bytes were written fails the save
-            return results
+            return self.writer.write_files(job.directory, todo)
         finally:
             del todo  # the records hold views of the staging buffer
             timings["write"] += time.perf_counter() - t0
@@ -197,7 +175,7 @@ class Engine:
         hit = self._records.get(id(it))
         if hit is not None and hit.tensor is view:  # the reader's view of this very item
             return hit
-        rec = self._records[id(it)] = Record(it.spec.key, tensor=view, staged_end=it.offset + it.spec.nbytes)
+        rec = self._records[id(it)] = Record(it.spec.key, tensor=view)
         return rec
 
     def write_index(self, job: SaveJob, source: Callable[[], tuple[bytes | None, MetadataTemplate]],
@@ -274,6 +252,8 @@ class Engine:
         placed = plan.placed()
         files = [(rel, [at[x.key] for x in xs]) for rel, xs in plan.layout]
         pad = {x.key: x.length for x in placed if items[at[x.key]].payload is not None}
+        self.reader.keep_only(list(items))  # a new structure: the views and records of the last go
+        self._records = {}
         self._reuse_program = p = _ReuseProgram(plan, tuple(it.spec for it in items), files, pad, placed)
         return p
 
@@ -374,12 +354,6 @@ class _ReuseProgram:
             self.mapping = mapping
         return [(rel, [r if r is not None else engine._record(job, items[i], self.pad) for r, i in zip(recs, idx)])
                 for (rel, idx), recs in zip(self.files, self.tensor_records)]
-
-
-def _waits_per_record(writer: FileWriter) -> bool:
-    """Whether ``writer`` reads records only where ``FileWriter`` waits for their bytes."""
-    cls = type(writer)
-    return cls.write_files is FileWriter.write_files and cls.write_file is FileWriter.write_file
 
 
 def _kind(job: SaveJob) -> SaveKind:

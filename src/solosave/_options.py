@@ -112,10 +112,6 @@ class CheckpointerOptions:
         "call handle.wait_staged() before optimizer.step(); a tensor changed in place before "
         "that fails the save (StagingRaceError). Default: copies done (CPU) or stream-ordered "
         "(CUDA) when save() returns"))
-    worker_nice: int = option(10, flag="--ckpt-worker-nice", metavar="N", help=(
-        "how much lower the worker process's CPU priority is than its trainer's (os.nice, 0-19; "
-        "default 10): where no core is spare, the training loop and save()'s copy come first and "
-        "the background write takes what is left; 0 shares the CPU equally"))
     storage_options: dict[str, Any] | None = option(None, flag="--ckpt-storage-options", metavar="JSON",
                                                     parse=json_object, help=(
         "URL destinations (s3://bucket/path; pip install 'solosave[s3]'): keyword arguments of the fsspec "
@@ -130,9 +126,6 @@ class CheckpointerOptions:
             raise OptionError(f"{{on_layout_drift}} must be one of {DRIFT_POLICIES}, got {self.on_layout_drift!r}")
         if not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool) and self.timeout > 0):
             raise OptionError(f"{{timeout}} must be a positive number of seconds, got {self.timeout!r}")
-        nice = self.worker_nice
-        if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
-            raise OptionError(f"{{worker_nice}} must be an int from 0 to 19, got {self.worker_nice!r}")
         pm = self.prepared_metadata
         if pm is not None and not isinstance(pm, (str, os.PathLike, Metadata, PreparedMetadata)):
             raise TypeError("prepared_metadata must be a path, a torch.distributed.checkpoint "

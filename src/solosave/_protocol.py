@@ -9,7 +9,6 @@ Trainer <-> worker, over the pipe (see ``_worker.py``)::
 
     WorkerSetup                      once, first message: the channel and per-checkpointer settings
     SaveJob ...                      one per save; ``None`` stops the worker
-    StageProgress ...                after a progressive SaveJob: how far its staging copy got
     WorkerMessage(READY | OUTCOME(JobOutcome) | FATAL(text))
 
 Rank <-> rank, over the channel (``_coordinate.py``), in the order the engine sends them:
@@ -202,8 +201,6 @@ class WorkerSetup:
     writer: Any = None  # a solosave.FileWriter or None (the default writer)
     #: The trainer's pid: the worker exits as soon as that process is gone.
     trainer_pid: int = 0
-    #: How much lower than its trainer's the worker's CPU priority is (``os.nice``).
-    nice: int = 0
 
 
 @dataclass(frozen=True)
@@ -229,10 +226,6 @@ class SaveJob:
     #: in the protocol as a failure with this message, so every rank learns it at once.
     abort: str | None = None
     submitted_at: float = 0.0
-    #: The tensors are still being copied into the staging buffer when the job is sent: the
-    #: worker reads an item's bytes only once a :class:`StageProgress` says they are there
-    #: (``_watermark.py``).
-    progressive: bool = False
 
     @property
     def identity(self) -> SaveIdentity:
@@ -304,17 +297,6 @@ class JobOutcome:
     published: bool = False
     warnings: tuple[str, ...] = ()
     finished_at: float = 0.0
-
-
-class StageProgress(NamedTuple):
-    """Trainer -> worker, after a progressive :class:`SaveJob`: the staging copy of save ``seq``
-    has filled the buffer's bytes ``[0, staged)`` (it copies in buffer order). ``done``: the copy
-    ended, successfully unless ``error`` says why not (the save then fails on every rank)."""
-
-    seq: int
-    staged: int
-    done: bool = False
-    error: str | None = None
 
 
 class WorkerMessage(NamedTuple):

@@ -367,16 +367,10 @@ class CrcAhead:
     the writer thread writes earlier records (zlib releases the GIL), so the writer rarely waits.
 
     ``get(i)`` blocks until record ``i``'s CRC is known; ``close()`` stops the thread (bounded:
-    it finishes the record it is on). One per ``write_file`` call. ``staged`` (a progressive
-    save's :class:`~solosave._watermark.Watermark`): record ``i``'s bytes are read only once it
-    reaches ``ends[i]``; a failed wait is raised by ``get``."""
+    it finishes the record it is on). One per ``write_file`` call."""
 
-    def __init__(self, views: list[memoryview | None], ends: list[int] | None = None,
-                 staged: Any = None) -> None:
+    def __init__(self, views: list[memoryview | None]) -> None:
         self._views = views
-        self._ends = ends
-        self._staged = staged
-        self._error: BaseException | None = None
         self._crcs: list[int] = [0] * len(views)
         self._done = 0
         self._stop = False
@@ -389,14 +383,6 @@ class CrcAhead:
             if self._stop:
                 break
             if view is not None:
-                if self._staged is not None and self._ends is not None:
-                    try:
-                        self._staged.wait(self._ends[i])
-                    except BaseException as e:  # noqa: BLE001 - raised by get()
-                        with self._cond:
-                            self._error = e
-                            self._cond.notify()
-                        return
                 self._crcs[i] = crc32(view)
             with self._cond:
                 self._done = i + 1
@@ -406,8 +392,6 @@ class CrcAhead:
         if self._done <= i:
             with self._cond:
                 while self._done <= i:
-                    if self._error is not None:
-                        raise self._error
                     if not self._cond.wait(timeout=60.0) and not self._thread.is_alive():
                         raise RuntimeError("internal: the CRC thread ended early")
         return self._crcs[i]

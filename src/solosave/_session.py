@@ -62,20 +62,16 @@ class SaveSession:
     def mode(self) -> Mode:
         return Mode.REUSE if self.prepared is not None else Mode.COLLECTIVE
 
-    def build(self, state_dict: Mapping[str, Any], directory: str, defer: bool = False) -> BuiltJob:
+    def build(self, state_dict: Mapping[str, Any], directory: str) -> BuiltJob:
         """Plan and stage ``state_dict`` for a save to ``directory`` and number the job. Raises
-        for bad input before anything is numbered or staged; see :meth:`abort`. ``defer``: leave
-        CPU copies to the caller, who sends the job first (``BuiltJob.staging.progressive``,
-        ``SaveJob.progressive``; see ``_watermark.py``)."""
+        for bad input before anything is numbered or staged; see :meth:`abort`."""
         t0 = time.perf_counter()
         plan = self.structure.plan(state_dict)
         reuse, to_stage, held = self._plans(plan)
         t1 = time.perf_counter()
-        staged, staging = self.stager.stage(to_stage, plan.values, overlap=self.options.overlap_staging,
-                                            defer=defer)
+        staged, staging = self.stager.stage(to_stage, plan.values, overlap=self.options.overlap_staging)
         t2 = time.perf_counter()
-        job = self._job(directory, plan, staged, reuse, held, staging.progressive)
-        return BuiltJob(job, staging, t1 - t0, t2 - t1)
+        return BuiltJob(self._job(directory, plan, staged, reuse, held), staging, t1 - t0, t2 - t1)
 
     def _plans(self, plan: LocalPlan) -> tuple[Any, list[ItemSpec], tuple[ItemSpec, ...]]:
         """The reuse plan, the specs to stage and the held specs of ``plan``'s structure (the
@@ -94,7 +90,7 @@ class SaveSession:
         return out
 
     def _job(self, directory: str, plan: LocalPlan, staged: StagedSave, reuse: Any,
-             held: tuple[ItemSpec, ...], progressive: bool) -> SaveJob:
+             held: tuple[ItemSpec, ...]) -> SaveJob:
         self.seq += 1
         send = None
         if self.mode is Mode.REUSE and self._sent_token != self.token:
@@ -102,8 +98,7 @@ class SaveSession:
         return SaveJob(seq=self.seq, directory=directory, mode=self.mode, staged=staged,
                        held=held, planner_data=plan.planner_data, reuse=reuse,
                        make_prepared=self.options.makes_prepared and self.prepared is None,
-                       prepared_token=self.token, prepared=send, submitted_at=time.time(),
-                       progressive=progressive)
+                       prepared_token=self.token, prepared=send, submitted_at=time.time())
 
     @staticmethod
     def fail_staged(job: SaveJob, error: BaseException) -> SaveJob:

@@ -7,9 +7,7 @@ reused by every save of the same structure; each tensor is a view at an aligned 
 worker process maps one buffer, not one file descriptor per tensor. Non-tensor values are
 serialized with ``torch.save`` and travel inside the job message.
 
-The buffer (``_buffer.py``) is shared memory that the worker maps. With the default blocking
-staging of CPU tensors, the job goes to the worker *before* the copies, which then report their
-progress group by group (``_watermark.py``), so the worker writes while the trainer copies.
+The buffer (``_buffer.py``) is shared memory that the worker maps.
 
 CUDA tensors: the buffer is registered as pinned memory (``cudaHostRegister``; if that fails the
 copies still work, unpinned), the copies run on a side stream that first waits for the current
@@ -27,7 +25,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +37,6 @@ from ._protocol import ItemKind, ItemSpec, StagedItem, StagedSave
 
 #: Alignment of every tensor inside a staging buffer (bytes).
 ALIGN = 64
-#: A progressive save's copies report their progress after about this many bytes (see
-#: ``_watermark.py``): the worker's first write waits for one group, and each group costs one
-#: pipe message.
-GROUP_BYTES = 4 << 20
 
 
 def _align(n: int) -> int:
@@ -62,9 +55,6 @@ class _Plan:
     others: list[ItemSpec]
     views: list[torch.Tensor]
     items: tuple[StagedItem, ...]
-    #: ``(start, stop, end)``: the tensors ``[start, stop)`` copied together, and the end of the
-    #: last one's bytes in the buffer (progressive saves).
-    groups: list[tuple[int, int, int]]
 
 
 class Stager:
@@ -114,20 +104,17 @@ class Stager:
         views = [buf.view(offsets[s.key], s) for s in tensors] if buf is not None else []
         self._plan = _Plan(specs, "cuda" in devices, devices <= {"cpu"}, tensors,
                            [s for s in specs if s.kind is not ItemKind.TENSOR], views,
-                           tuple(StagedItem(s, offsets[s.key]) for s in tensors),
-                           _groups([offsets[s.key] for s in tensors], [s.nbytes for s in tensors]))
+                           tuple(StagedItem(s, offsets[s.key]) for s in tensors))
         return self._plan
 
-    def stage(self, specs: list[ItemSpec], values: dict[str, Any], overlap: bool = False,
-              defer: bool = False) -> tuple[StagedSave, Staging]:
+    def stage(self, specs: list[ItemSpec], values: dict[str, Any], overlap: bool = False
+              ) -> tuple[StagedSave, Staging]:
         """Copy ``specs``' values (looked up by fqn in ``values``) into host memory.
 
         Non-tensor values are serialized now, in every mode. Tensors: copied before this
         returns (CPU), or enqueued on a side stream that the current stream waits for (CUDA).
         With ``overlap``, the copies proceed after this returns (a thread for CPU tensors, the
         side stream alone for CUDA ones) and the returned :class:`Staging` says when they end.
-        With ``defer`` (and neither CUDA nor ``overlap``), CPU copies are left to the caller:
-        ``staging.progressive`` is then true and :meth:`Staging.copy` runs them.
         """
         plan = self._plan_for(specs, values)
         srcs = [values[s.fqn] for s in plan.tensors]
@@ -135,8 +122,6 @@ class Stager:
         staging = Staging(srcs if overlap else [])
         if plan.on_cuda:
             staging.event = self._copy_cuda(plan, srcs, overlap)
-        elif defer and not overlap and srcs:
-            staging.deferred = (plan, srcs)
         elif overlap and srcs:
             threading.Thread(target=staging.run, args=(lambda: _copy_cpu(plan, srcs),),
                              name="solosave-stage", daemon=True).start()
@@ -177,33 +162,15 @@ class Stager:
         self._plan = None
 
 
-def _groups(offsets: list[int], nbytes: list[int]) -> list[tuple[int, int, int]]:
-    """Consecutive tensors in groups of about :data:`GROUP_BYTES` (see :class:`_Plan`)."""
-    out, start, size = [], 0, 0
-    for i, n in enumerate(nbytes):
-        size += n
-        if size >= GROUP_BYTES or i == len(nbytes) - 1:
-            out.append((start, i + 1, offsets[i] + n))
-            start, size = i + 1, 0
-    return out
-
-
-def _copy_cpu(plan: _Plan, srcs: list[Any], progress: Callable[[int], None] | None = None) -> None:
-    """Copy ``srcs`` into the plan's views; with ``progress``, group by group in buffer order,
-    calling ``progress(end)`` after each (``end``: the bytes now staged)."""
+def _copy_cpu(plan: _Plan, srcs: list[Any]) -> None:
     if not srcs:
         return
-    whole = [(0, len(srcs), 0)]
     with torch.no_grad():
-        for start, stop, end in plan.groups if progress is not None else whole:
-            dsts, part = plan.views[start:stop], srcs[start:stop]
-            if plan.all_cpu and _foreach_copy is not None:
-                _foreach_copy(dsts, part)
-            else:
-                for dst, src in zip(dsts, part):
-                    dst.copy_(src if src.device.type == "cpu" else src.cpu())
-            if progress is not None:
-                progress(end)
+        if plan.all_cpu and _foreach_copy is not None:
+            _foreach_copy(plan.views, srcs)
+            return
+        for dst, src in zip(plan.views, srcs):
+            dst.copy_(src if src.device.type == "cpu" else src.cpu())
 
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
@@ -221,8 +188,6 @@ class Staging:
 
     def __init__(self, sources: list[Any]) -> None:
         self.event: Any = None
-        #: A progressive save's copies, still to run (:meth:`copy`).
-        self.deferred: tuple[_Plan, list[Any]] | None = None
         self.sources = sources
         self._versions = [t._version for t in sources]
         self._done = threading.Event()
@@ -230,19 +195,6 @@ class Staging:
             self._done.set()
         self.error: BaseException | None = None
         self._checked = False
-
-    @property
-    def progressive(self) -> bool:
-        """The copies are left to :meth:`copy` (``Stager.stage(..., defer=True)``)."""
-        return self.deferred is not None
-
-    def copy(self, progress: Callable[[int], None]) -> None:
-        """Progressive save, calling thread, after the job went to the worker: run the copies
-        in buffer order, calling ``progress(end)`` after each group (see ``_watermark.py``)."""
-        if self.deferred is not None:
-            plan, srcs = self.deferred
-            self.deferred = None
-            _copy_cpu(plan, srcs, progress)
 
     def run(self, copy: Any) -> None:
         """CPU overlap: run ``copy`` (in the staging thread), check, and mark done."""
@@ -297,5 +249,4 @@ class Staging:
     @property
     def immediate(self) -> bool:
         """Nothing to wait for: the copies are done and checked."""
-        return (self.event is None and self.deferred is None and self._done.is_set() and self.error is None
-                and not self.sources)
+        return self.event is None and self._done.is_set() and self.error is None and not self.sources

@@ -2,25 +2,18 @@
 
 Both transports have the same surface, used only by the trainer-side checkpointer:
 ``submit(job)`` (hands the job over; the worker is idle then, as the checkpointer has already
-collected the previous outcome), ``progress(StageProgress)`` (a progressive job's staging
-progress, see ``_watermark.py``), ``poll(timeout) -> JobOutcome | None`` (bounded; raises
+collected the previous outcome), ``poll(timeout) -> JobOutcome | None`` (bounded; raises
 :class:`WorkerDiedError` if the worker is gone), ``close(timeout)`` (never raises).
 
 The worker process (a fresh interpreter: ``python -m solosave._worker_entry``) receives a
 :class:`~solosave._protocol.WorkerSetup`, joins the rendezvous ``TCPStore`` that the
 coordinator's trainer serves, forms its own gloo process group under a ``PrefixStore`` (the
-channel), builds an :class:`~solosave._engine.Engine` and then runs jobs until told to stop: an
-inbox thread reads the pipe (:class:`_Inbox`), so a running job still receives its staging
-progress, and the main thread runs the jobs it queues. It
+channel), builds an :class:`~solosave._engine.Engine` and then runs jobs until told to stop. It
 is reused by every save of the checkpointer. It never initialises CUDA (no CUDA object reaches
-it). It runs at a lower CPU priority than its trainer (``CheckpointerOptions.worker_nice``), in
-its trainer's session: Linux's autogroup scheduler shares the CPU equally between sessions, so a
-worker in a session of its own weighed as much as the whole training job (every rank of a
-``torchrun``), and on a machine with no spare core the staging copy of ``save()`` then ran at a
-third of its speed (issue 13). Its lifetime is tied to its trainer's:
+it). Its lifetime is tied to its trainer's:
 
-* it runs in its own process group, with ``SIGINT`` and ``SIGTERM`` ignored: Ctrl-C or a
-  scheduler's ``SIGTERM`` is the trainer's to handle (a final save from the handler still works);
+* it runs in its own session, with ``SIGINT`` and ``SIGTERM`` ignored: Ctrl-C or a scheduler's
+  ``SIGTERM`` is the trainer's to handle (a final save from the handler still works);
 * it exits within a second of its trainer's death at any moment, start-up included: the kernel
   sends it ``SIGKILL`` when its parent dies (``PR_SET_PDEATHSIG``) and a watchdog thread
   compares its parent with the trainer's pid, passed on its command line.
@@ -52,14 +45,12 @@ from ._protocol import (
     Mode,
     SaveJob,
     SaveKind,
-    StageProgress,
     WorkerEvent,
     WorkerMessage,
     WorkerSetup,
     compact_job,
     expand_job,
 )
-from ._watermark import Watermark
 
 log = logging.getLogger("solosave")
 _POLL = 0.05
@@ -87,8 +78,6 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
     """Body of the worker process: read its set-up, form the channel, then run jobs until told
     to stop (``None``) or until the trainer is gone (end of file on the pipe)."""
     tie_to_trainer(trainer_pid)
-    if sys.version_info < (3, 11):  # 3.11+: Popen(process_group=0) made it so before it ran
-        os.setpgid(0, 0)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     import torch.distributed as dist
@@ -97,8 +86,6 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         setup: WorkerSetup = conn.recv()
-        if setup.nice:
-            os.nice(setup.nice)
         spec = setup.channel
         multiprocessing.current_process().name = f"solosave-worker-{spec.rank}"  # for logs
         timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -114,12 +101,16 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
         gc.collect()
         gc.freeze()
         conn.send(WorkerMessage(WorkerEvent.READY, os.getpid()))
-        inbox = _Inbox(conn, spec.timeout_s)
+        job = None
         while True:
-            todo = inbox.next()
-            if todo is None:  # told to stop, or the trainer exited without close()
+            try:
+                msg = conn.recv()
+            except EOFError:  # the trainer exited without close(): nothing left to do
                 break
-            conn.send(WorkerMessage(WorkerEvent.OUTCOME, engine.run(*todo)))
+            if msg is None:
+                break
+            job = expand_job(job, msg)
+            conn.send(WorkerMessage(WorkerEvent.OUTCOME, engine.run(job)))
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, then exit
         try:
             conn.send(WorkerMessage(WorkerEvent.FATAL, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -133,58 +124,6 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001,S110 - exiting anyway
             pass
-
-
-class _Inbox:
-    """The worker's end of the pipe, read by one thread for the process's lifetime: jobs queue
-    up for the main thread, each with its :class:`Watermark` when it is progressive, and
-    :class:`StageProgress` messages go straight to that watermark, while the job runs.
-
-    The end of the pipe, or ``None`` (stop), ends a staging still in progress (its save then
-    fails on this rank at once instead of waiting out the timeout) and queues ``None``."""
-
-    def __init__(self, conn: Connection, timeout: float) -> None:
-        self._conn = conn
-        self._timeout = timeout
-        self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._run, name="solosave-inbox", daemon=True).start()
-
-    def _run(self) -> None:
-        job: SaveJob | None = None
-        staged: Watermark | None = None
-        try:
-            while True:
-                try:
-                    msg = self._conn.recv()
-                except (EOFError, OSError):
-                    msg = None
-                if isinstance(msg, StageProgress):
-                    if staged is not None:
-                        staged.update(msg)
-                    continue
-                if msg is None:
-                    if staged is not None:
-                        staged.abandon("the trainer stopped the worker, or exited, during the copy")
-                    self._queue.put(None)
-                    return
-                job = expand_job(job, msg)
-                staged = Watermark(job.seq, self._timeout) if job.progressive else None
-                self._queue.put((job, staged))
-        except BaseException as e:  # noqa: BLE001 - raised in the main thread (FATAL)
-            self._queue.put(e)
-
-    def next(self) -> tuple[SaveJob, Watermark | None] | None:
-        """The next job, or ``None`` to stop. Waits as long as the worker idles between saves:
-        the inbox thread always ends by queueing ``None`` or its error, and the process ends
-        with its trainer (see the module docstring)."""
-        todo = self._queue.get()
-        if isinstance(todo, BaseException):
-            raise todo
-        return todo
-
-
-#: Start the worker in a process group of its own (not a session: see the module docstring).
-_OWN_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {}
 
 
 class ProcessTransport:
@@ -206,7 +145,7 @@ class ProcessTransport:
         try:
             self.process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
                 [sys.executable, "-m", "solosave._worker_entry", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),), env=env, close_fds=True, **_OWN_GROUP)
+                pass_fds=(theirs.fileno(),), env=env, close_fds=True, start_new_session=True)
         finally:
             theirs.close()
         self._conn = ours
@@ -227,15 +166,6 @@ class ProcessTransport:
                 self._conn.send(compact_job(self._last, job))
                 self._last = job
         except OSError as e:  # broken pipe: the worker is gone
-            self._check_alive()
-            raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) is unreachable: {e}") from e
-
-    def progress(self, progress: StageProgress) -> None:
-        """Tell the worker how far the running job's staging copy got."""
-        try:
-            with self._send_lock:
-                self._conn.send(progress)
-        except OSError as e:
             self._check_alive()
             raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) is unreachable: {e}") from e
 
@@ -310,7 +240,6 @@ class ThreadTransport:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._staged: Watermark | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._outcomes: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="solosave-background", daemon=True)
@@ -322,12 +251,11 @@ class ThreadTransport:
 
     def _run(self) -> None:
         while True:
-            todo = self._jobs.get()
-            if todo is None:
+            job = self._jobs.get()
+            if job is None:
                 return
-            job, staged = todo
             try:
-                self._outcomes.put(self.engine.run(job, staged))
+                self._outcomes.put(self.engine.run(job))
             except BaseException as e:  # noqa: BLE001 - keep the thread alive, report it
                 kind = SaveKind.REUSE if job.mode is Mode.REUSE else SaveKind.COLLECTIVE
                 self._outcomes.put(JobOutcome(job.seq, False, kind, ErrorKind.INTERNAL,
@@ -336,12 +264,7 @@ class ThreadTransport:
     def submit(self, job: SaveJob) -> None:
         if not self._thread.is_alive():
             raise WorkerDiedError("the solosave background thread has stopped")
-        self._staged = Watermark(job.seq, self.engine.channel.timeout) if job.progressive else None
-        self._jobs.put((job, self._staged))
-
-    def progress(self, progress: StageProgress) -> None:
-        if self._staged is not None:
-            self._staged.update(progress)
+        self._jobs.put(job)
 
     def poll(self, timeout: float) -> JobOutcome | None:
         try:
@@ -352,8 +275,6 @@ class ThreadTransport:
     def close(self, timeout: float) -> None:
         """Stop the thread (bounded); never raises. A thread stuck in a collective is left to
         end with the process (it is a daemon thread): logged."""
-        if self._staged is not None:
-            self._staged.abandon("the checkpointer was closed during the copy")
         self._jobs.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():

@@ -34,7 +34,6 @@ from ._protocol import WriteResult
 from ._records import CrcAhead, FrameCache, TensorFrame, raw_bytes, record_crc, start_writeback, writev_all
 from ._storage import is_url, storage_for
 from ._upload import ObjectUpload
-from ._watermark import Watermark
 
 
 class _CrcStream:
@@ -148,9 +147,6 @@ class Record:
     payload: bytes | None = None
     #: Pad the record with zeros up to this length (BYTES records only); ``None``: no padding.
     pad_to: int | None = None
-    #: A tensor record of a progressive save: the staging watermark its bytes need (their end
-    #: in the staging buffer, see ``_watermark.py``); 0: nothing to wait for.
-    staged_end: int = 0
 
 
 def _write_error(stream: BinaryIO, record: Record, e: Exception) -> OSError:
@@ -182,11 +178,6 @@ class FileWriter:
     Called only in the background (worker process or thread), by :class:`~solosave._engine.Engine`,
     in this order per save: ``write_files`` -> for each file, in a pool thread, ``write_file``
     -> ``open`` / ``write_record`` per record / ``close``.
-
-    ``staged`` (``write_files``, ``write_file``): the save's tensors are still being copied into
-    the staging buffer; no record's bytes are read before ``staged.wait(record.staged_end)``
-    returns. The engine passes it only to a writer that keeps both methods as they are here; a
-    subclass that overrides either gets its records once the copy is complete.
     """
 
     fsync: bool = True
@@ -262,8 +253,7 @@ class FileWriter:
             os.fsync(stream.fileno())
         stream.close()
 
-    def write_file(self, directory: str, relative_path: str, records: Sequence[Record],
-                   staged: Watermark | None = None) -> list[WriteResult]:
+    def write_file(self, directory: str, relative_path: str, records: Sequence[Record]) -> list[WriteResult]:
         path = os.path.join(directory, relative_path)
         sidecar = checksum_path(path)
         if not self.checksums and is_url(sidecar):
@@ -276,15 +266,12 @@ class FileWriter:
         crcs: list[int] = []
         frames = self._frame_cache()
         framed = [frames.lookup(r.tensor) if r.tensor is not None else None for r in records]
-        ahead = CrcAhead([f[1] if f is not None else None for f in framed],
-                         [r.staged_end for r in records] if staged is not None else None, staged)
+        ahead = CrcAhead([f[1] if f is not None else None for f in framed])
         try:
             if self._can_batch(raw):
-                self._write_batched(raw, relative_path, records, framed, ahead, results, crcs, staged)
+                self._write_batched(raw, relative_path, records, framed, ahead, results, crcs)
                 records = ()
             for i, rec in enumerate(records):
-                if staged is not None:
-                    staged.wait(rec.staged_end)
                 offset = stream.tell()
                 if rec.payload is not None and rec.pad_to is not None:
                     rec = Record(rec.key, payload=padded_payload(rec.payload, rec.pad_to) or rec.payload)
@@ -314,21 +301,18 @@ class FileWriter:
         return True
 
     def _write_batched(self, raw: BinaryIO, rel: str, records: Sequence[Record], framed: list,
-                       ahead: CrcAhead, results: list[WriteResult], crcs: list[int],
-                       staged: Watermark | None) -> None:
+                       ahead: CrcAhead, results: list[WriteResult], crcs: list[int]) -> None:
         """Write ``records`` as ``write_record`` would, gathering up to ~8 MiB of records per
         ``writev`` (framed tensors: prefix, the staged bytes, suffix; the suffixes of a batch
         built at once per frame, see :meth:`TensorFrame.suffixes_with`); records no frame fits
         go through ``torch.save`` on the buffered stream between batches (with checksums,
         through a :class:`_CrcStream`: the file is never read back). An error names the record
-        it happened in. ``staged``: each tensor record waits for its bytes before it joins a batch."""
+        it happened in."""
         raw.flush()
         fd, pos = raw.fileno(), raw.tell()
         batch: list[tuple[int, TensorFrame | None, Any]] = []  # (record, frame or None, data)
         start = pos
         for i, rec in enumerate(records):
-            if staged is not None and rec.staged_end:
-                staged.wait(rec.staged_end)
             if framed[i] is not None:
                 frame, data = framed[i]
                 batch.append((i, frame, data))
@@ -409,14 +393,12 @@ class FileWriter:
             if self.fsync:
                 os.fsync(f.fileno())
 
-    def write_files(self, directory: str, files: Sequence[tuple[str, Sequence[Record]]],
-                    staged: Watermark | None = None) -> list[WriteResult]:
+    def write_files(self, directory: str, files: Sequence[tuple[str, Sequence[Record]]]) -> list[WriteResult]:
         """Write every file (one thread each); raise the first error after all threads end."""
-        more = {} if staged is None else {"staged": staged}
         if len(files) <= 1:
-            return [r for name, recs in files for r in self.write_file(directory, name, recs, **more)]
+            return [r for name, recs in files for r in self.write_file(directory, name, recs)]
         with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="solosave-write") as pool:
-            futures = [pool.submit(self.write_file, directory, name, recs, **more) for name, recs in files]
+            futures = [pool.submit(self.write_file, directory, name, recs) for name, recs in files]
             out: list[WriteResult] = []
             errors = []
             for f in futures:
