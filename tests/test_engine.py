@@ -2,6 +2,7 @@
 Engine, joined by in-process channels (``solosave._coordinate.local_channels``). Milliseconds
 per case instead of seconds of process start-up."""
 
+import os
 import threading
 
 import pytest
@@ -288,3 +289,62 @@ def test_a_steady_structure_reuses_its_write_program_and_still_sees_a_drift(rank
     outs = rk.save(lambda r: state(r, grow=True), "c4")  # a payload outgrows its slot: checked, drifted
     assert kinds(outs) == [SaveKind.FALLBACK] * 2 and all(o.ok and o.published for o in outs)
     assert len(checks) == n + 1  # "meta" (replicated) is written by one rank: its results changed
+
+
+class SwitchWriter(FileWriter):
+    """Fails the file writes of ``rank`` while ``failing`` is set (a test fixture)."""
+
+    def __init__(self, rank):
+        super().__init__(fsync=False)
+        self.rank, self.failing = rank, False
+
+    def write_file(self, directory, relative_path, records):
+        if self.failing and relative_path.startswith(f"__{self.rank}_"):
+            raise OSError(5, "injected I/O error", relative_path)
+        return super().write_file(directory, relative_path, records)
+
+
+def test_reuse_publishes_the_metadata_it_staged_and_leaves_no_temporary_file(ranks, tmp_path):
+    """The coordinator writes ``.metadata``'s bytes beside the data and renames them in at the
+    end: a published reuse save holds exactly the prepared metadata and no temporary file; a
+    failed one (another rank's write) and a drifted one publish nothing and leave nothing."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    writer = SwitchWriter(rank=1)
+    rk = ranks(2, writer=writer, assume_constant_structure=True, on_layout_drift="raise")
+    rk.save(state, "c0")
+    outs = rk.save(state, "c1")
+    assert kinds(outs) == [SaveKind.REUSE] * 2 and all(o.ok and o.published for o in outs)
+    names = sorted(n for n in os.listdir(tmp_path / "c1") if n.startswith("."))
+    assert names == [".metadata", ".solosave-index"], names
+    md = FileSystemReader(str(tmp_path / "c1")).read_metadata()
+    assert md.storage_meta.checkpoint_id == str(tmp_path / "c1") and len(md.storage_data) > 0
+    writer.failing = True
+    outs = rk.save(state, "c2")
+    assert all(not o.ok and o.error_kind is ErrorKind.FAILED for o in outs)
+    writer.failing = False
+    outs = rk.save(lambda r: state(r, grow=True), "c3")
+    assert all(not o.ok and o.error_kind is ErrorKind.DRIFT for o in outs)
+    for name in ("c2", "c3"):
+        assert not [n for n in os.listdir(tmp_path / name) if n.startswith(".metadata")]
+    assert all(e._reuse_program is not None for e in rk.engines)
+
+
+def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_thread():
+    from solosave._engine import _Ahead
+    from solosave._storage import StagedCommit
+
+    log = []
+
+    def commit(name):
+        return StagedCommit(lambda: log.append(f"finish {name}"), lambda: log.append(f"discard {name}"))
+
+    on_time = _Ahead()
+    on_time.offer(commit("a"))
+    staged = on_time.take()
+    assert log == [] and on_time.take() is None
+    staged.finish()
+    late = _Ahead()
+    assert late.take() is None  # the engine gave up waiting (its timeout)
+    late.offer(commit("b"))
+    assert log == ["finish a", "discard b"]

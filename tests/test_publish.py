@@ -10,7 +10,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from oracle import build_metadata, build_state_dict_metadata
 from solosave._format import METADATA_FILE
 from solosave._protocol import ItemKind, ItemSpec
-from solosave._publish import MetadataTemplate, publish_metadata
+from solosave._publish import MetadataTemplate, publish_metadata, stage_metadata
 from support import dcp_save_local
 
 
@@ -77,3 +77,31 @@ def test_publish_writes_rendered_pieces_in_order(tmp_path):
     url = (tmp_path / "remote").as_uri()
     publish_metadata(url, tpl.render_parts(url, "save-8"), storage_options={"auto_mkdir": True})
     assert (tmp_path / "remote" / METADATA_FILE).read_bytes() == tpl.render(url, "save-8")
+
+
+def _tmp_files(d):
+    return sorted(n for n in os.listdir(d) if n.startswith(".") and "tmp" in n)
+
+
+def test_staged_metadata_is_invisible_until_finished_and_discard_leaves_nothing(tmp_path):
+    """A reuse save's coordinator stages ``.metadata`` while its data is written: the bytes sit
+    in a temporary file, ``.metadata`` appears only at ``finish()``; ``discard()`` (any outcome
+    but published) removes the temporary file; each is idempotent and the first one wins."""
+    d, _, _, md = _checkpoint(tmp_path)
+    tpl = MetadataTemplate(md)
+    (d / METADATA_FILE).unlink()  # a checkpoint being saved: unpublished
+    staged = stage_metadata(d, tpl.render_parts(os.fspath(d), "s1"))
+    assert not (d / METADATA_FILE).exists() and len(_tmp_files(d)) == 1
+    staged.finish()
+    staged.discard()  # too late: published
+    assert _tmp_files(d) == [] and FileSystemReader(str(d)).read_metadata().storage_meta.save_id == "s1"
+    dropped = stage_metadata(d, tpl.render_parts(os.fspath(d), "s2"))
+    dropped.discard()
+    dropped.finish()  # too late: discarded
+    assert _tmp_files(d) == [] and FileSystemReader(str(d)).read_metadata().storage_meta.save_id == "s1"
+    url = (tmp_path / "remote").as_uri()  # through fsspec: nothing is written before finish()
+    (tmp_path / "remote").mkdir()
+    remote = stage_metadata(url, tpl.render_parts(url, "s3"), storage_options={"auto_mkdir": True})
+    assert os.listdir(tmp_path / "remote") == []
+    remote.finish()
+    assert (tmp_path / "remote" / METADATA_FILE).read_bytes() == tpl.render(url, "s3")

@@ -13,10 +13,11 @@ picks from outcomes that every rank received, and the values the collectives ret
     write in the prepared layout -> local layout guard -> **one 8-byte all_reduce** of the
     status (failed / drifted / ok) and of the save's identity (``_protocol.encode_status``) ->
     if every rank is ok, the coordinator publishes the prepared metadata with this checkpoint's
-    ``storage_meta`` (its load index, ``_index``, was written on a thread beside its data),
-    then posts a receipt that the other ranks wait for (a store key, not a collective), so every
-    rank knows whether the save was published. On "failed" every rank all-gathers the errors
-    (failure path only); on "drifted" with ``"raise"`` every rank all-gathers the drifts; with
+    ``storage_meta`` (on a thread beside its data it wrote the load index, ``_index``, and
+    ``.metadata``'s bytes into a temporary file, so publishing is a rename), then posts a
+    receipt that the other ranks wait for (a store key, not a collective), so every rank knows
+    whether the save was published. On "failed" every rank all-gathers the errors (failure
+    path only); on "drifted" with ``"raise"`` every rank all-gathers the drifts; with
     ``"fallback"`` every rank runs the collective path for this save and the prepared metadata
     is refreshed.
 
@@ -65,8 +66,8 @@ from ._protocol import (
     decode_status,
     encode_status,
 )
-from ._publish import MetadataTemplate, publish_metadata, unpublish
-from ._storage import is_url, storage_for
+from ._publish import MetadataTemplate, publish_metadata, stage_metadata, unpublish
+from ._storage import StagedCommit, is_url, storage_for
 from ._write import FileWriter, Record
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
@@ -257,31 +258,44 @@ class Engine:
         self._reuse_program = p = _ReuseProgram(plan, tuple(it.spec for it in items), files, pad, placed)
         return p
 
-    def _index_beside(self, job: SaveJob, prepared: Any, save_id: str) -> threading.Thread | None:
-        """Coordinator of a reuse save: write the load index on a thread while this rank writes
-        its data (its bytes are known before the save: the prepared body, this ``save_id``);
-        :meth:`_reuse_publish` joins it before ``.metadata``."""
+    def _ahead(self, job: SaveJob, prepared: Any, save_id: str) -> _Ahead | None:
+        """Coordinator of a reuse save: while this rank writes its data, a thread writes the
+        load index and stages ``.metadata`` (a temporary file beside it; both are known before
+        the save: the prepared body and template, this ``save_id``). :meth:`_reuse_publish`
+        takes the staged file and renames it into place; any other outcome discards it."""
         if not self.channel.is_coordinator or prepared is None or job.abort is not None:
             return None
+        ahead = _Ahead()
 
-        thread = threading.Thread(target=self.write_index, name="solosave-index", daemon=True,
-                                  args=(job, lambda: (prepared.index_body, prepared.template), save_id,
-                                        defaultdict(float)))
-        thread.start()
-        return thread
+        def run() -> None:
+            self.write_index(job, lambda: (prepared.index_body, prepared.template), save_id, defaultdict(float))
+            try:
+                storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
+                data = prepared.template.render_parts(os.fspath(job.directory), save_id)
+                ahead.offer(stage_metadata(job.directory, data, fsync=self.writer.fsync,
+                                           storage_options=self.settings.storage_options))
+            except Exception:  # noqa: BLE001,S110 - publishing writes it whole, and reports its error
+                pass
+
+        ahead.thread = threading.Thread(target=run, name="solosave-ahead", daemon=True)
+        ahead.thread.start()
+        return ahead
 
     def _reuse(self, job: SaveJob, timings: dict[str, float]) -> JobOutcome:
         ch = self.channel
         prepared = self.prepared_for(job) if job.abort is None or job.prepared is not None else None
         save_id = str(uuid.uuid4())
-        indexing = self._index_beside(job, prepared, save_id)
+        ahead = self._ahead(job, prepared, save_id)
         try:
-            return self._reuse_steps(job, prepared, save_id, indexing, timings)
+            return self._reuse_steps(job, prepared, save_id, ahead, timings)
         finally:
-            if indexing is not None:  # bounded; a late index is harmless (it names this save_id)
-                indexing.join(ch.timeout)
+            if ahead is not None:  # bounded; a late thread discards what it staged itself
+                ahead.thread.join(ch.timeout)
+                staged = ahead.take()
+                if staged is not None:
+                    staged.discard()
 
-    def _reuse_steps(self, job: SaveJob, prepared: Any, save_id: str, indexing: threading.Thread | None,
+    def _reuse_steps(self, job: SaveJob, prepared: Any, save_id: str, ahead: _Ahead | None,
                      timings: dict[str, float]) -> JobOutcome:
         ch = self.channel
         status, drifts, results, err = self._reuse_write(job, timings)
@@ -290,11 +304,13 @@ class Engine:
             raise OutOfStep(f"this rank's save {job.seq} to {job.directory} met a different save "
                             "of another rank in the status all_reduce")
         if agreed == Status.OK:
-            if indexing is not None:
+            staged = None
+            if ahead is not None:
                 t0 = time.perf_counter()
-                indexing.join(ch.timeout)
+                ahead.thread.join(ch.timeout)
+                staged = ahead.take()
                 timings["publish"] += time.perf_counter() - t0
-            return self._reuse_publish(job, prepared, results, save_id, timings)
+            return self._reuse_publish(job, prepared, results, save_id, staged, timings)
         if agreed == Status.FAILED:
             reports = ch.all_gather_object(err)
             return JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.FAILED,
@@ -307,14 +323,20 @@ class Engine:
         return run_collective(self, job, timings, prewritten=results, drifts=drifts)
 
     def _reuse_publish(self, job: SaveJob, prepared: Any, results: list | None, save_id: str,
-                       timings: dict[str, float]) -> JobOutcome:
+                       staged: StagedCommit | None, timings: dict[str, float]) -> JobOutcome:
         """Every rank wrote the prepared layout (and the coordinator the load index): the
-        coordinator publishes, the others wait for its receipt."""
+        coordinator publishes (renames the ``.metadata`` it staged, else writes it now), the
+        others wait for its receipt."""
         ch = self.channel
         error = None
         if ch.is_coordinator:
             try:
-                self.publish(job, prepared.template.render_parts(os.fspath(job.directory), save_id), timings)
+                if staged is not None:
+                    t0 = time.perf_counter()
+                    staged.finish()
+                    timings["publish"] += time.perf_counter() - t0
+                else:
+                    self.publish(job, prepared.template.render_parts(os.fspath(job.directory), save_id), timings)
             except Exception as e:  # noqa: BLE001 - reported to every rank through the receipt
                 error = f"publishing failed: {describe(e)}"
             ch.post_receipt(job.seq, error)
@@ -354,6 +376,31 @@ class _ReuseProgram:
             self.mapping = mapping
         return [(rel, [r if r is not None else engine._record(job, items[i], self.pad) for r, i in zip(recs, idx)])
                 for (rel, idx), recs in zip(self.files, self.tensor_records)]
+
+
+class _Ahead:
+    """The coordinator's thread beside a reuse save's data write, and the ``.metadata`` it
+    staged: :meth:`offer` (the thread) and :meth:`take` (the engine, once) meet under a lock, so
+    a commit offered after the engine stopped waiting is discarded by the thread itself."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._staged: StagedCommit | None = None
+        self._taken = False
+
+    def offer(self, staged: StagedCommit) -> None:
+        with self._lock:
+            if not self._taken:
+                self._staged = staged
+                return
+        staged.discard()
+
+    def take(self) -> StagedCommit | None:
+        with self._lock:
+            self._taken = True
+            staged, self._staged = self._staged, None
+            return staged
 
 
 def _kind(job: SaveJob) -> SaveKind:

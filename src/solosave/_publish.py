@@ -24,9 +24,9 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ._format import METADATA_FILE
-from ._storage import atomic_write, fsync_dir, join, storage_for
+from ._storage import StagedCommit, atomic_write, fsync_dir, join, storage_for
 
-__all__ = ["MetadataTemplate", "atomic_write", "fsync_dir", "publish_metadata", "unpublish"]
+__all__ = ["MetadataTemplate", "atomic_write", "fsync_dir", "publish_metadata", "stage_metadata", "unpublish"]
 
 
 def unpublish(directory: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> None:
@@ -93,3 +93,11 @@ def publish_metadata(directory: str | os.PathLike, data: bytes | Sequence[bytes]
     """Write ``directory/.metadata`` atomically (see the module docstring); ``data``: its bytes,
     or pieces of them in order (:meth:`MetadataTemplate.render_parts`)."""
     storage_for(directory, storage_options).commit(join(directory, METADATA_FILE), data, fsync=fsync)
+
+
+def stage_metadata(directory: str | os.PathLike, data: bytes | Sequence[bytes], fsync: bool = True,
+                   storage_options: Mapping[str, Any] | None = None) -> StagedCommit:
+    """:func:`publish_metadata` in two steps: locally the bytes go to a temporary file now and
+    ``finish()`` renames it to ``.metadata`` (``discard()`` removes it); on an object store the
+    single write waits for ``finish()``."""
+    return storage_for(directory, storage_options).stage_commit(join(directory, METADATA_FILE), data, fsync=fsync)

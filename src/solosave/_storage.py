@@ -100,10 +100,39 @@ def pread_all(fd: int, offset: int, length: int) -> bytes:
     return b"".join(parts)
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
-    """Replace the local file ``path`` with ``data`` (bytes, or pieces of them in order)
-    atomically (temp file, fsync, rename, fsync directory): the commit primitive of
-    :class:`LocalStorage`."""
+class StagedCommit:
+    """A replacement of one file, written ahead and not yet visible: :meth:`finish` makes it
+    visible (atomically), :meth:`discard` drops it; either is idempotent and the first one wins.
+
+    Locally :meth:`LocalStorage.stage_commit` writes (and fsyncs) the temporary file at once, so
+    that :meth:`finish` is a rename and a directory fsync; elsewhere the write waits for
+    :meth:`finish` (on an object store the single PUT is the commit)."""
+
+    def __init__(self, finish: Any, discard: Any) -> None:
+        self._finish, self._discard, self.done = finish, discard, False
+
+    def finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self._finish()
+
+    def discard(self) -> None:
+        if not self.done:
+            self.done = True
+            self._discard()
+
+
+def _unlink(path: Any) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def stage_local(path: str | os.PathLike, data: bytes | Sequence[bytes], fsync: bool = True) -> StagedCommit:
+    """Write ``data`` (bytes, or pieces of them in order) to a temporary file beside the local
+    file ``path`` (fsynced); the returned commit renames it over ``path`` and fsyncs the
+    directory. Nothing is left behind if writing fails."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     try:
@@ -112,15 +141,27 @@ def atomic_write(path: str | os.PathLike, data: bytes | Sequence[bytes], fsync: 
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink(tmp)
         raise
-    if fsync:
-        fsync_dir(path.parent)
+
+    def finish() -> None:
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        if fsync:
+            fsync_dir(path.parent)
+
+    return StagedCommit(finish, lambda: _unlink(tmp))
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
+    """Replace the local file ``path`` with ``data`` (bytes, or pieces of them in order)
+    atomically (temp file, fsync, rename, fsync directory): the commit primitive of
+    :class:`LocalStorage`."""
+    stage_local(path, data, fsync=fsync).finish()
 
 
 class LocalStorage:
@@ -161,11 +202,12 @@ class LocalStorage:
     def commit(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
         atomic_write(path, data, fsync=fsync)
 
+    def stage_commit(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> StagedCommit:
+        """:meth:`commit` in two steps: the bytes written now, the rename at ``finish()``."""
+        return stage_local(path, data, fsync=fsync)
+
     def remove(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _unlink(path)
 
     def remove_tree(self, path: str) -> None:
         try:
@@ -255,6 +297,10 @@ class FsspecStorage:
                 self.fs.pipe_file(tmp, data)
                 self.fs.mv(tmp, path)
             self.fs.invalidate_cache(path)
+
+    def stage_commit(self, path: str, data: bytes | Sequence[bytes], fsync: bool = True) -> StagedCommit:
+        """:meth:`commit` deferred to ``finish()`` (the single write is the commit)."""
+        return StagedCommit(lambda: self.commit(path, data, fsync=fsync), lambda: None)
 
     def remove(self, path: str) -> None:
         with self._errors(path):
