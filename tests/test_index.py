@@ -154,3 +154,18 @@ def test_solosave_load_uses_only_the_index_of_create_and_reuse_saves(tmp_path, w
     case_log(f"W={ws}: the last rank cannot use the load index, the others can",
              "the others load through it; every rank then takes the .metadata broadcast, only the last "
              "rank loads from it; bit-exact")
+
+
+def test_a_chunk_listed_twice_is_refused_not_indexed_with_an_empty_row(tmp_path):
+    """Two chunks of one tensor at the same offsets share one ``storage_data`` entry: the index
+    would hold a row that points nowhere (file 0, offset 0, length 0)."""
+    import dataclasses
+
+    from solosave._index import body_from_metadata
+
+    md = _grid(tmp_path)
+    body_from_metadata(md)  # the consistent metadata is indexed
+    g = md.state_dict_metadata["g"]
+    twice = dataclasses.replace(g, chunks=[*g.chunks[:-1], g.chunks[0]])
+    with pytest.raises(ValueError, match=r"lists the chunk of 'g' at \[0, 0\] twice"):
+        body_from_metadata(dataclasses.replace(md, state_dict_metadata={**md.state_dict_metadata, "g": twice}))

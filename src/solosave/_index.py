@@ -112,7 +112,11 @@ def body_from_metadata(md: Metadata) -> bytes:
         m = sdm[fqn]
         if isinstance(m, TensorStorageMetadata):
             for j, c in enumerate(m.chunks):
-                position[(fqn, tuple(int(o) for o in c.offsets))] = first[fqn] + j
+                key = (fqn, tuple(int(o) for o in c.offsets))
+                if key in position:  # its rows would be one entry of storage_data: one left empty
+                    raise ValueError(f"state_dict_metadata lists the chunk of {fqn!r} at {list(key[1])} "
+                                     "twice (not a consistent DCP metadata)")
+                position[key] = first[fqn] + j
         else:
             position[(fqn, None)] = first[fqn]
     for idx, info in md.storage_data.items():
