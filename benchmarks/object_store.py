@@ -24,17 +24,14 @@ saved checkpoint of the last round is loaded back and compared bit for bit (outs
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .ranks import environ, free_port, run_ranks
+from .ranks import environ, run_ranks
+from .s3_server import s3_server
 
 Json = dict[str, Any]
 MiB = 1 << 20
@@ -43,36 +40,6 @@ METHODS = ("raw", "solosave", "dcp_async")
 LABELS = {"raw": "raw multipart upload", "solosave": "solosave (reuse)", "dcp_async": "DCP async_save + FsspecWriter"}
 PART = 16 * MiB
 CONCURRENCY = 8
-
-
-@contextlib.contextmanager
-def s3_server(start_timeout: float = 30.0):
-    """An S3-compatible server (moto) on a free 127.0.0.1 port and the AWS variables that reach
-    it; stopped at the end."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the S3 server (python -m moto.server) did not start; "
-                                       "pip install 'moto[server]' s3fs") from None
-                time.sleep(0.1)
-        yield {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-               "AWS_DEFAULT_REGION": "us-east-1"}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +124,7 @@ def run_s3_bench(cfg: Json, progress: Any) -> Json:
     import fsspec
 
     progress.step(f"s3: W={WORLD_SIZE}, {cfg['per_rank_mib']} MiB per rank, {cfg['saves']} saves per method")
-    with s3_server() as env, environ(env):
+    with s3_server() as (_, env), environ(env):
         bucket = f"bench-{os.getpid()}"
         fsspec.filesystem("s3").mkdir(f"s3://{bucket}")
         res = run_ranks(rank_s3, WORLD_SIZE, {**cfg, "bucket": bucket}, timeout=cfg["timeout"], env=env)

@@ -5,53 +5,23 @@ time. Skipped, with the reason, when moto or s3fs is not installed."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 
 import pytest
 import torch
 
 import storage_fns
+from benchmarks.s3_server import s3_server
 from solosave._session import normalize_directory
 from solosave._storage import check_local_path, is_url, join, normalize_url, storage_for
 from solosave._upload import MIN_PART, S3Upload, _Body
 from solosave.cli import main as cli
 from support import dcp_save_local, free_port, run_ranks
-
-
-@contextlib.contextmanager
-def s3_server(start_timeout: float = 30.0):
-    """An S3-compatible server on a free 127.0.0.1 port (moto), and the AWS variables that
-    reach it; killed at the end."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()  # noqa: S310
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the S3 test server did not start within {start_timeout} s") from None
-                time.sleep(0.1)
-        yield endpoint, {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                         "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 @pytest.fixture(scope="module")
