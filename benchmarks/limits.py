@@ -1,7 +1,9 @@
 """The save at the machine's limits (``--only limits``): stall vs memcpy, publication vs raw write.
 
-Two cases at W=2 ranks (gloo, ``OMP_NUM_THREADS=1`` as torchrun sets it), each rank holding its
-own fp32 tensors: ``large`` = 32 x 4 MiB per rank, ``small`` = 2048 x 32 KiB per rank. For each,
+Three cases at W=2 ranks (gloo, ``OMP_NUM_THREADS=1`` as torchrun sets it), each rank holding its
+own fp32 tensors: ``large`` = 32 x 4 MiB per rank, ``small`` = 2048 x 32 KiB per rank, and
+``small_dtensor`` = ``small`` as FSDP2 holds it: 2048 ``DTensor``s sharded ``Shard(0)`` over the
+ranks, a 32 KiB shard of each per rank (saved through DCP's DTensor write items). For each,
 one launch measures the limits with every rank at once (``copy_`` of the same bytes into
 preallocated memory; a sequential write + ``fsync`` of the same bytes), then solosave reuse saves
 (``solosave_create_reuse``), the same with zlib's CRC32 instead of ISA-L's
@@ -30,24 +32,26 @@ from .save_modes import MiB, run_save_bench
 Json = dict[str, Any]
 
 WORLD_SIZE = 2
-#: name -> (tensors per rank, bytes per tensor)
-CASES: dict[str, tuple[int, int]] = {"large": (32, 4 * MiB), "small": (2048, 32 * 1024)}
+#: name -> (tensors per rank, bytes per tensor (per shard), FSDP-style DTensors)
+CASES: dict[str, tuple[int, int, bool]] = {"large": (32, 4 * MiB, False), "small": (2048, 32 * 1024, False),
+                                           "small_dtensor": (2048, 32 * 1024, True)}
 GOALS = {"large": {"stall_over_memcpy": 1.2, "published_over_raw_write": 1.25},
-         "small": {"stall_over_memcpy": 2.0, "published_over_raw_write": 1.25}}
+         "small": {"stall_over_memcpy": 2.0, "published_over_raw_write": 1.25},
+         "small_dtensor": {"stall_over_memcpy": 2.0, "published_over_raw_write": 1.25}}
 MODES = ("solosave_create_reuse", "solosave_create_reuse_zlib", "dcp_async_thread")
 
 
 def run_limits_bench(cfg: Json, out_dir: Path, progress: Any) -> Json:
     """Both cases; returns the ``limits`` report section."""
     report: Json = {"config": cfg, "cases": {}}
-    for name, (per_rank, each) in CASES.items():
+    for name, (per_rank, each, dtensor) in CASES.items():
         count = per_rank * WORLD_SIZE
         scfg = {"total_mib": count * each // MiB, "count": count, "saves": cfg["saves"], "warmup": cfg["warmup"],
                 "timeout": cfg["timeout"], "memcpy_reps": 5, "write_reps": 3, "world_sizes": [WORLD_SIZE],
-                "modes": list(MODES), "interleave_raw": True}
+                "modes": list(MODES), "interleave_raw": True, "dtensor": dtensor}
         res = run_save_bench(scfg, out_dir / f"limits-{name}", progress)
         entry = res["world_sizes"][str(WORLD_SIZE)]
-        report["cases"][name] = {"tensors_per_rank": per_rank, "bytes_per_tensor": each,
+        report["cases"][name] = {"tensors_per_rank": per_rank, "bytes_per_tensor": each, "dtensor": dtensor,
                                  "limits": entry["limits"], "modes": _summaries(entry["modes"]),
                                  "ratios": _ratios(name, entry)}
     return report

@@ -387,3 +387,38 @@ def checksummed_with_empty(rank, ws, root):
     solosave.load(back, path)
     return (result.published, report.ok, report.checksums, torch.equal(back["w"], sd["w"]),
             torch.equal(back["b"], sd["b"]), back["step"])
+
+
+def structure_of_dtensors(rank, ws):
+    """The structure cache over DTensors: a hit plans nothing and hands staging each shard's own
+    tensor (the bytes ``to_local()`` shows, without its autograd view); another placement or
+    another local shape is a miss."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from solosave._plan import local_shard
+    from solosave._structure import StructureCache
+
+    dsd, full = _dtensor_sd(rank, ws)
+    sd = {"model": dsd, "step": 3}
+    sc = StructureCache()
+    first = sc.plan(sd)
+    again = sc.plan(sd)
+    out = {"hit": sc.hits == 1 and again.specs is first.specs}
+    shards = {k: again.values[k] for k in ("model.sharded", "model.replicated")}
+    out["same_bytes"] = all(torch.equal(v, dsd[k.split(".")[1]].to_local()) for k, v in shards.items())
+    out["same_storage"] = all(v.data_ptr() == dsd[k.split(".")[1]].to_local().data_ptr() for k, v in shards.items())
+    out["not_dtensor"] = all(type(v) is torch.Tensor for v in shards.values())
+    mesh = init_device_mesh("cpu", (ws,))
+    sc.plan({"model": {**dsd, "sharded": distribute_tensor(full, mesh, [Replicate()])}, "step": 3})
+    out["placement_miss"] = sc.hits == 1
+    sc.plan(sd)
+    sc.plan({"model": {**dsd, "sharded": distribute_tensor(full[:12], mesh, [Shard(0)])}, "step": 3})
+    out["shape_miss"] = sc.hits == 1
+
+    class Opaque:  # a DTensor-like without _local_tensor: to_local() is asked
+        def to_local(self):
+            return full
+
+    out["fallback"] = local_shard(Opaque()) is full
+    return out

@@ -84,3 +84,13 @@ def test_stateful_top_level_values_are_taken_at_each_call():
     c.n = 5
     plan = cache.plan({"c": c})
     assert cache.hits == 1 and plan.values["c.n"] == 5 and plan.values["c.t"].tolist() == [5.0, 5.0]
+
+
+@pytest.mark.timeout(120)
+def test_dtensor_leaves_hit_the_cache_and_stage_their_local_shards():
+    import rank_fns
+    from support import run_ranks
+
+    for out in run_ranks(rank_fns.structure_of_dtensors, 2, timeout=100):
+        assert out == {"hit": True, "same_bytes": True, "same_storage": True, "not_dtensor": True,
+                       "placement_miss": True, "shape_miss": True, "fallback": True}, out

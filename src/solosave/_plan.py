@@ -124,6 +124,15 @@ def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
+def local_shard(value: Any) -> torch.Tensor:
+    """A DTensor's local shard: the tensor it holds (``_local_tensor``), not ``to_local()``,
+    which runs an autograd ``Function`` to return a view of it (19 us a call on this machine:
+    2048 FSDP shards cost a save 80 ms of stall, issue 13). Staging copies the bytes without
+    autograd, so the view adds nothing. A DTensor without that attribute takes ``to_local()``."""
+    local = getattr(value, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else value.to_local()
+
+
 def dtensor_owner(fqn: str, value: Any) -> bool:
     """Whether this rank writes its replica of DTensor ``value`` (a local, deterministic rule).
 
@@ -165,7 +174,7 @@ def make_spec(fqn: str, value: Any) -> tuple[ItemSpec, Any]:
                 f"state_dict[{fqn!r}] is a DTensor with a Partial placement; reduce it first "
                 "(e.g. value.redistribute(placements=[Replicate()]*mesh.ndim)) before saving"
             )
-        local = value.to_local()
+        local = local_shard(value)
         chunks = value.__create_chunk_list__()
         if len(chunks) != 1:
             raise TypeError(f"state_dict[{fqn!r}]: DTensor with {len(chunks)} local chunks is "

@@ -18,10 +18,16 @@ from typing import Any
 
 import torch
 
-from ._plan import LocalPlan, _is_dtensor, _is_stateful, _is_terminal, plan_local
+from ._plan import LocalPlan, _is_dtensor, _is_stateful, _is_terminal, local_shard, plan_local
 
-#: Types that are always leaves (checked first: most leaves are tensors).
-_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, str, bool, bytes, type(None)})
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    _DTensor = None
+
+#: Types that are always leaves (checked first: most leaves are tensors; FSDP2's are DTensors).
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, str, bool, bytes, type(None)}
+                        | ({_DTensor} if _DTensor is not None else set()))
 _PLAIN = (torch.Tensor, dict, list, int, float, str)
 
 
@@ -59,8 +65,8 @@ def _signature(value: Any) -> Any:
     t = type(value)
     if t is torch.Tensor or t is torch.nn.Parameter:
         return (t, value.dtype, value.shape, value.layout, value.device)
-    if _is_dtensor(value):
-        local = value.to_local()
+    if t is _DTensor or _is_dtensor(value):
+        local = local_shard(value)
         return (t, value.dtype, value.shape, value.placements, value.device_mesh, local.shape, local.device)
     if isinstance(value, torch.Tensor):
         return None  # a tensor subclass: planned (and refused) every time
@@ -97,7 +103,7 @@ class StructureCache:
         # plain tensors as they are (staging copies them without autograd); DTensors' shards
         fresh = dict(zip(keys, values))
         for i in self._dtensors:
-            fresh[keys[i]] = values[i].to_local()
+            fresh[keys[i]] = local_shard(values[i])
         return LocalPlan(cached.specs, fresh, cached.planner_data, by_key=cached.by_key)
 
     def _replan(self, state_dict: Any) -> LocalPlan:
