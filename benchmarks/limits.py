@@ -80,7 +80,7 @@ def _ratios(name: str, entry: Json) -> Json:
 
 def print_limits(report: Json) -> None:
     print("\n== the save at the machine's limits (W=2, slowest rank, medians of steady saves) ==")
-    print(f"{'case':<22}{'mode':<28}{'stall ms':>9}{'memcpy ms':>10}{'ratio':>7}{'goal':>6}"
+    print(f"{'case':<27}{'mode':<28}{'stall ms':>9}{'memcpy ms':>10}{'ratio':>7}{'goal':>6}"
           f"{'published ms':>13}{'raw write ms':>13}{'ratio':>7}{'raw after ms':>13}{'ratio':>7}{'goal':>6}")
     for name, c in report["cases"].items():
         label = f"{name} {c['tensors_per_rank']}x{c['bytes_per_tensor'] // 1024}KiB"
@@ -88,9 +88,9 @@ def print_limits(report: Json) -> None:
         for m in MODES:
             r = c["ratios"].get(m)
             if r is None:
-                print(f"{label:<22}{m:<28} FAILED: {c['modes'].get(m)}")
+                print(f"{label:<27}{m:<28} FAILED: {c['modes'].get(m)}")
                 continue
-            print(f"{label:<22}{m:<28}{r['stall_ms']:>9.1f}{r['memcpy_ms']:>10.1f}{r['stall_over_memcpy']:>7.2f}"
+            print(f"{label:<27}{m:<28}{r['stall_ms']:>9.1f}{r['memcpy_ms']:>10.1f}{r['stall_over_memcpy']:>7.2f}"
                   f"{goals['stall_over_memcpy']:>6.2f}{r['published_ms']:>13.1f}{r['raw_write_ms']:>13.1f}"
                   f"{r['published_over_raw_write']:>7.2f}{r['raw_after_ms']:>13.1f}{r['published_over_raw_after']:>7.2f}"
                   f"{goals['published_over_raw_write']:>6.2f}")
@@ -104,7 +104,7 @@ def plot_limits(report: Json, out_dir: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     names = list(report["cases"])
     for ax, key, title in ((axes[0], "stall_over_memcpy", "stall / memcpy"),
                            (axes[1], "published_over_raw_write", "published / raw before the saves"),

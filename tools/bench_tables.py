@@ -52,6 +52,8 @@ def limits_tables(limits: Json) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, c in limits["cases"].items():
         label = f"{name}: {c['tensors_per_rank']} x {c['bytes_per_tensor'] // 1024} KiB per rank"
+        if c.get("dtensor"):
+            label += " (DTensor shards)"
         goals = c["ratios"]["goals"]
         for m, r in c["ratios"].items():
             if m == "goals":
