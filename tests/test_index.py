@@ -156,16 +156,25 @@ def test_solosave_load_uses_only_the_index_of_create_and_reuse_saves(tmp_path, w
              "rank loads from it; bit-exact")
 
 
-def test_a_chunk_listed_twice_is_refused_not_indexed_with_an_empty_row(tmp_path):
-    """Two chunks of one tensor at the same offsets share one ``storage_data`` entry: the index
-    would hold a row that points nowhere (file 0, offset 0, length 0)."""
+
+def test_a_chunk_listed_twice_gives_both_of_its_rows_its_storage(tmp_path):
+    """A crafted metadata that lists one chunk twice has one ``storage_data`` entry for both:
+    each of the two rows in the index holds it (loads leave such a key to DCP's planner; no row
+    may point at offset 0, length 0)."""
     import dataclasses
 
-    from solosave._index import body_from_metadata
+    import numpy as np
 
     md = _grid(tmp_path)
-    body_from_metadata(md)  # the consistent metadata is indexed
     g = md.state_dict_metadata["g"]
-    twice = dataclasses.replace(g, chunks=[*g.chunks[:-1], g.chunks[0]])
-    with pytest.raises(ValueError, match=r"lists the chunk of 'g' at \[0, 0\] twice"):
-        body_from_metadata(dataclasses.replace(md, state_dict_metadata={**md.state_dict_metadata, "g": twice}))
+    twice = dataclasses.replace(g, chunks=[*g.chunks, g.chunks[0]])
+    publish_with_index(tmp_path, dataclasses.replace(md, state_dict_metadata={**md.state_dict_metadata, "g": twice}))
+    with LoadIndex.open(tmp_path) as idx:
+        e = idx.keys["g"]
+        offs, _ = idx.geometry(int(e[1]))
+        rows = idx._rows(int(e[1]), np.arange(len(offs)))
+        got = [(tuple(offs[i].tolist()), int(rows[i][int(e[2])]["offset"]), int(rows[i][int(e[2])]["length"]))
+               for i in range(len(offs))]
+    want = md.storage_data[MetadataIndex("g", torch.Size([0, 0]))]
+    assert [r for r in got if r[0] == (0, 0)] == [((0, 0), want.offset, want.length)] * 2
+    assert all(length == 64 for _, _, length in got)

@@ -83,11 +83,7 @@ def sections_from_metadata(md: Metadata, fields: dict[str, Any], where: str = "m
         except KeyError as e:
             raise PreparedMetadataError(f"{where}: storage_data has an entry of {e}, which is not in "
                                         "state_dict_metadata (not a consistent DCP metadata)") from None
-        try:
-            body = body_from_metadata(md)
-        except ValueError as e:
-            raise PreparedMetadataError(f"{where}: {e}") from None
         return build_prepared({**fields, "format_version": VERSION}, structure, layout,
                               _template_section(MetadataTemplate(md)),
                               (str(sm.checkpoint_id), str(sm.save_id)) if sm is not None else None,
-                              index_body=body)[0]
+                              index_body=body_from_metadata(md))[0]

@@ -107,25 +107,24 @@ def body_from_metadata(md: Metadata) -> bytes:
     n = table.n
     cfile, coff, clen = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
     first = {fqn: table.bounds[f] for f, fqn in enumerate(table.names)}
-    position: dict[tuple[str, Any], int] = {}
+    #: the rows of each chunk: a chunk listed twice (a crafted metadata) has two rows, both
+    #: given its one storage_data entry (none may be left pointing at offset 0, length 0)
+    position: dict[tuple[str, Any], list[int]] = {}
     for fqn in table.names:
         m = sdm[fqn]
         if isinstance(m, TensorStorageMetadata):
             for j, c in enumerate(m.chunks):
-                key = (fqn, tuple(int(o) for o in c.offsets))
-                if key in position:  # its rows would be one entry of storage_data: one left empty
-                    raise ValueError(f"state_dict_metadata lists the chunk of {fqn!r} at {list(key[1])} "
-                                     "twice (not a consistent DCP metadata)")
-                position[key] = first[fqn] + j
+                position.setdefault((fqn, tuple(int(o) for o in c.offsets)), []).append(first[fqn] + j)
         else:
-            position[(fqn, None)] = first[fqn]
+            position[(fqn, None)] = [first[fqn]]
     for idx, info in md.storage_data.items():
-        at = position.get(index_key(idx))
-        if at is None:
+        rows = position.get(index_key(idx))
+        if rows is None:
             raise ValueError(f"storage_data names {idx.fqn!r} at {list(idx.offset or ())}, which "
                              "state_dict_metadata does not have")
-        cfile[at] = files.setdefault(info.relative_path, len(files))
-        coff[at], clen[at] = int(info.offset), int(info.length)
+        for at in rows:
+            cfile[at] = files.setdefault(info.relative_path, len(files))
+            coff[at], clen[at] = int(info.offset), int(info.length)
     if len(position) != len(md.storage_data):
         raise ValueError("the metadata's storage_data does not cover every chunk of its state_dict_metadata")
     return _body(sdm, md.planner_data, table, list(files), cfile, coff, clen)
