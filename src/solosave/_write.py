@@ -166,6 +166,11 @@ def _write_error(stream: BinaryIO, record: Record, e: Exception) -> OSError:
 
 #: Bytes gathered before one ``writev`` batch goes out.
 _BATCH_BYTES = 8 << 20
+#: The first batch of a file: the disk starts once its records' CRCs are known, and the
+#: batches double from here to ``_BATCH_BYTES``. Measured in one run (W=2, 2048 x 32 KiB per
+#: rank, files alternating, 20 each): the first ``writev`` 2.4 ms after the file opened, 3.9 ms
+#: with 8 MiB from the start.
+_FIRST_BATCH_BYTES = 1 << 20
 #: Records of one frame in a batch from which their suffixes are built at once: measured here
 #: (two runs), ``suffixes_with`` costs 210 to 260 us plus 0.4 us per record, ``suffix_with``
 #: 4.5 to 5.3 us each (the break-even is about 45 records).
@@ -311,7 +316,7 @@ class FileWriter:
         raw.flush()
         fd, pos = raw.fileno(), raw.tell()
         batch: list[tuple[int, TensorFrame | None, Any]] = []  # (record, frame or None, data)
-        start = pos
+        start, limit = pos, _FIRST_BATCH_BYTES
         for i, rec in enumerate(records):
             if framed[i] is not None:
                 frame, data = framed[i]
@@ -339,11 +344,11 @@ class FileWriter:
                 continue
             results.append((rec.key, rel, pos, length))
             pos += length
-            if pos - start >= _BATCH_BYTES:
+            if pos - start >= limit:
                 self._flush_batch(raw, records, batch, ahead, crcs)
                 if self.fsync:
                     start_writeback(fd, start, pos - start)
-                batch, start = [], pos
+                batch, start, limit = [], pos, min(2 * limit, _BATCH_BYTES)
         self._flush_batch(raw, records, batch, ahead, crcs)
         raw.seek(pos)
 
