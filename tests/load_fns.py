@@ -189,17 +189,30 @@ def same_sharding_loads(rank: int, ws: int, root: str) -> dict:
         whole.extend(read.fqn for read, _ in reads)
         return real(directory, items, storage_data, planner, reads)
 
+    from torch.distributed.tensor import DTensor
+
+    chunk_lists: list[str] = []  # DTensor.__create_chunk_list__ calls of solosave.load
+    real_chunks = DTensor.__create_chunk_list__
+
+    def count(self):
+        chunk_lists.append("")
+        return real_chunks(self)
+
     out: dict = {}
     for how in ("solosave", "dcp"):
         got = state({k: torch.zeros_like(v) for k, v in want.items()}, 0)
         sl.read_items = spy
+        if how == "solosave":
+            DTensor.__create_chunk_list__ = count
         try:
             solosave.load(got, path) if how == "solosave" else dcp.load(got, checkpoint_id=path)
         finally:
             sl.read_items = real
+            DTensor.__create_chunk_list__ = real_chunks
         out[how] = (all(torch.equal(got[k].full_tensor(), want[k]) for k in [*SHAPES, "r"])
                     and torch.equal(got["p"], want["p"]) and got["step"] == 41)
     out["whole"] = sorted(whole)
+    out["chunk_lists"] = len(chunk_lists)
     return out
 
 

@@ -175,6 +175,8 @@ def test_dtensor_shards_at_the_sharding_they_were_saved_with_are_read_whole(tmp_
         assert out["solosave"] and out["dcp"], (rank, out)
         # every DTensor (rows, columns, uneven, replicated) and the plain tensor; "step" is DCP's
         assert out["whole"] == ["a", "b", "c", "d", "i", "p", "r"], (rank, out["whole"])
+        # six DTensors, five geometries ("c" and "d": (600, 256), Shard(0)): one chunk list each
+        assert out["chunk_lists"] == 5, (rank, out["chunk_lists"])
 
 
 @pytest.mark.timeout(150)
