@@ -1,8 +1,10 @@
 """The load benchmark (``python -m benchmarks --only load``): resuming, stock DCP beside solosave.
 
-For each case (``CASES``: few large tensors, many small ones) one launch of ``world_size``
-local ranks (``benchmarks/ranks.run_ranks``, gloo on 127.0.0.1, CPU tensors): every rank holds
-its own fp32 tensors ``t{rank}_{i}`` (``count / world_size`` of ``item_kib`` KiB), they are saved
+For each case (``CASES``: few large tensors, many small ones, and many small DTensor shards as
+FSDP2 holds them) one launch of ``world_size`` local ranks (``benchmarks/ranks.run_ranks``, gloo
+on 127.0.0.1, CPU tensors): every rank holds its own fp32 tensors ``t{rank}_{i}``
+(``count / world_size`` of ``item_kib`` KiB; in the DTensor case ``t{i}``, ``Shard(0)`` over the
+ranks, a shard of ``item_kib`` KiB per rank, loaded at the sharding it was saved with), they are saved
 once with ``solosave.AsyncCheckpointer(workers=1)``, then every rank loads them back into
 preallocated tensors (zeroed before each load, pages already mapped) with each method, the
 page cache warm:
@@ -32,8 +34,9 @@ from typing import Any
 
 Json = dict[str, Any]
 MiB = 1 << 20
-#: ``(name, tensors over all ranks, KiB per tensor)``.
-CASES = (("64 x 4 MiB", 64, 4096), ("4096 x 32 KiB", 4096, 32))
+#: ``(name, tensors (shards) over all ranks, KiB per tensor (shard), DTensor shards)``.
+CASES = (("64 x 4 MiB", 64, 4096, False), ("4096 x 32 KiB", 4096, 32, False),
+         ("4096 x 32 KiB DTensor shards", 4096, 32, True))
 METHODS = ("raw", "dcp", "solosave", "solosave_dcp_read")
 LABELS = {"raw": "raw sequential read", "dcp": "stock DCP load", "solosave": "solosave.load",
           "solosave_dcp_read": "solosave.load, DCP read_data"}
@@ -84,6 +87,10 @@ def _methods(sd: dict[str, Any], path: str, files: list[str]) -> dict[str, Any]:
             "solosave": lambda: solosave.load(sd, path), "solosave_dcp_read": dcp_read}
 
 
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def rank_load(rank: int, world_size: int, case: Json, cfg: Json) -> Json:
     """Save this rank's tensors once, then time every method ``1 + cfg["reps"]`` times."""
     import torch
@@ -95,6 +102,13 @@ def rank_load(rank: int, world_size: int, case: Json, cfg: Json) -> Json:
     per_rank = case["count"] // world_size
     g = torch.Generator().manual_seed(2000 + rank)
     saved = {f"t{rank}_{i}": torch.rand(case["item_kib"] * 256, generator=g) for i in range(per_rank)}
+    if case.get("dtensor"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        saved = {f"t{i}": DTensor.from_local(v, mesh, [Shard(0)], run_check=False)
+                 for i, v in enumerate(saved.values())}
     path = os.path.join(cfg["data_dir"], "ckpt")
     with solosave.AsyncCheckpointer(workers=1) as ckpt:
         ckpt.save(saved, path).wait(timeout=cfg["timeout"])
@@ -116,7 +130,7 @@ def rank_load(rank: int, world_size: int, case: Json, cfg: Json) -> Json:
             if rep:
                 times[m].append(dt)
             if m != "raw":
-                exact = exact and all(torch.equal(sd[k], v) for k, v in saved.items())
+                exact = exact and all(torch.equal(_local(sd[k]), _local(v)) for k, v in saved.items())
     return {"rank": rank, "times": times, "exact": exact, "bytes": sum(os.path.getsize(f) for f in files)}
 
 
@@ -147,12 +161,12 @@ def run_load_bench(cfg: Json, out_dir: Path, progress: Any) -> Json:
     from .ranks import run_ranks
 
     report: Json = {"config": cfg, "cases": {}}
-    for name, count, kib in CASES:
+    for name, count, kib, dtensor in CASES:
         progress.step(f"load {name}")
         data_dir = out_dir / "data" / "load"
         shutil.rmtree(data_dir, ignore_errors=True)
         data_dir.mkdir(parents=True)
-        case = {"name": name, "count": count, "item_kib": kib}
+        case = {"name": name, "count": count, "item_kib": kib, "dtensor": dtensor}
         ccfg = {**cfg, "data_dir": str(data_dir)}
         try:
             per_rank = run_ranks(rank_fns.rank_load, cfg["world_size"], case, ccfg, timeout=cfg["timeout"])
@@ -167,7 +181,7 @@ def run_load_bench(cfg: Json, out_dir: Path, progress: Any) -> Json:
 
 def _in_order(load: Json) -> list[tuple[str, Json]]:
     """The report's cases in ``CASES`` order (the JSON report sorts its keys)."""
-    return [(name, load["cases"][name]) for name, _, _ in CASES if name in load["cases"]]
+    return [(name, load["cases"][name]) for name, *_ in CASES if name in load["cases"]]
 
 
 def print_load(load: Json) -> None:
@@ -175,21 +189,21 @@ def print_load(load: Json) -> None:
     print()
     print(f"=== load: W={cfg['world_size']} local ranks, page cache warm, checkpoints written by solosave; "
           f"median of {cfg['reps']} repetitions (slowest rank), range in brackets ===")
-    head = f"{'case':<14} {'method':<29} {'median ms':>9} {'range ms':>15} {'MB/s':>6} {'/ DCP':>6} {'/ raw':>6}"
+    head = f"{'case':<29} {'method':<29} {'median ms':>9} {'range ms':>15} {'MB/s':>6} {'/ DCP':>6} {'/ raw':>6}"
     print(head)
     print("-" * len(head))
     for name, c in _in_order(load):
         if "error" in c:
-            print(f"{name:<14} FAILED: {c['error'].strip().splitlines()[-1]}")
+            print(f"{name:<29} FAILED: {c['error'].strip().splitlines()[-1]}")
             continue
         for m in (m for m in METHODS if m in c["methods"]):
             v, r = c["methods"][m], c["ratios"]
             dcp = f"{r[m + '_over_dcp']:.2f}x" if m + "_over_dcp" in r else ""
             raw = f"{r[m + '_over_raw']:.2f}x" if m + "_over_raw" in r else ""
             rng = f"{v['min_ms']:.0f}-{v['max_ms']:.0f}"
-            print(f"{name:<14} {LABELS[m]:<29} {v['median_ms']:>9.1f} {rng:>15} {v['MBps']:>6.0f} {dcp:>6} {raw:>6}")
+            print(f"{name:<29} {LABELS[m]:<29} {v['median_ms']:>9.1f} {rng:>15} {v['MBps']:>6.0f} {dcp:>6} {raw:>6}")
         goals = ", ".join(f"{k} <= {g['goal']}: {'met' if g['met'] else 'NOT met'}" for k, g in c["goals"].items())
-        print(f"{'':<14} bit-exact: {'yes' if c['exact'] else 'NO'}; goals: {goals or 'none'}")
+        print(f"{'':<29} bit-exact: {'yes' if c['exact'] else 'NO'}; goals: {goals or 'none'}")
 
 
 def plot_load(load: Json, out: Path) -> list[Path]:
