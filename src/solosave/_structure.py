@@ -67,6 +67,9 @@ def _signature(value: Any) -> Any:
         return (t, value.dtype, value.shape, value.layout, value.device)
     if t is _DTensor or _is_dtensor(value):
         local = local_shard(value)
+        spec = getattr(value, "_spec", None)  # mesh, placements, global shape, stride and dtype
+        if spec is not None:  # one object per DTensor, so compared by identity save after save
+            return (t, spec, local.shape, local.device)
         return (t, value.dtype, value.shape, value.placements, value.device_mesh, local.shape, local.device)
     if isinstance(value, torch.Tensor):
         return None  # a tensor subclass: planned (and refused) every time
