@@ -415,6 +415,13 @@ def structure_of_dtensors(rank, ws):
     sc.plan(sd)
     sc.plan({"model": {**dsd, "sharded": distribute_tensor(full[:12], mesh, [Shard(0)])}, "step": 3})
     out["shape_miss"] = sc.hits == 1
+    sc.plan(sd)  # a dtype of the same shapes, local and global: only the DTensor's spec tells it
+    sc.plan({"model": {**dsd, "sharded": distribute_tensor(full.double(), mesh, [Shard(0)])}, "step": 3})
+    out["dtype_miss"] = sc.hits == 1
+    sc.plan(sd)
+    again_dsd, _ = _dtensor_sd(rank, ws)  # new DTensors, new spec objects, the same structure
+    sc.plan({"model": again_dsd, "step": 3})
+    out["equal_spec_hit"] = sc.hits == 2
 
     class Opaque:  # a DTensor-like without _local_tensor: to_local() is asked
         def to_local(self):

@@ -93,4 +93,5 @@ def test_dtensor_leaves_hit_the_cache_and_stage_their_local_shards():
 
     for out in run_ranks(rank_fns.structure_of_dtensors, 2, timeout=100):
         assert out == {"hit": True, "same_bytes": True, "same_storage": True, "not_dtensor": True,
-                       "placement_miss": True, "shape_miss": True, "fallback": True}, out
+                       "placement_miss": True, "shape_miss": True, "dtype_miss": True,
+                       "equal_spec_hit": True, "fallback": True}, out

@@ -310,7 +310,11 @@ class Engine:
                 ahead.thread.join(ch.timeout)
                 staged = ahead.take()
                 timings["publish"] += time.perf_counter() - t0
-            return self._reuse_publish(job, prepared, results, save_id, staged, timings)
+            try:
+                return self._reuse_publish(job, prepared, results, save_id, staged, timings)
+            finally:
+                if staged is not None:  # published (finish() ran) or not: never a file left behind
+                    staged.discard()
         if agreed == Status.FAILED:
             reports = ch.all_gather_object(err)
             return JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.FAILED,

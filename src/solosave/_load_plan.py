@@ -105,10 +105,13 @@ def whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRe
             wanted[k] = (v.shape, (0,) * v.dim(), v.shape)
             targets[k] = v
         elif kind is DTensor and k in index.keys:
-            shape_key = (v.shape, v.placements, v.device_mesh)
-            chunks = chunks_of.get(shape_key, False)
-            if chunks is False:
-                chunks = chunks_of[shape_key] = _local_chunks(v)
+            if type(local_shard(v)) is torch.Tensor:  # its chunk follows from the key below
+                shape_key = (v.shape, v.placements, v.device_mesh)
+                chunks = chunks_of.get(shape_key, False)
+                if chunks is False:
+                    chunks = chunks_of[shape_key] = _local_chunks(v)
+            else:  # a local tensor that names its own chunks (e.g. LocalShardsWrapper)
+                chunks = _local_chunks(v)
             if chunks is None:
                 continue
             local = local_shard(v)  # the shard itself: to_local() costs an autograd Function per call

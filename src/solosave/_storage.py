@@ -133,7 +133,7 @@ def stage_local(path: str | os.PathLike, data: bytes | Sequence[bytes], fsync: b
     """Write ``data`` (bytes, or pieces of them in order) to a temporary file beside the local
     file ``path`` (fsynced); the returned commit renames it over ``path`` and fsyncs the
     directory. Nothing is left behind if writing fails."""
-    path = Path(path)
+    path = Path(path).absolute()  # renamed later: a change of working directory must not matter
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:

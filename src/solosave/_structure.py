@@ -68,7 +68,7 @@ def _signature(value: Any) -> Any:
     if t is _DTensor or _is_dtensor(value):
         local = local_shard(value)
         spec = getattr(value, "_spec", None)  # mesh, placements, global shape, stride and dtype
-        if spec is not None:  # one object per DTensor, so compared by identity save after save
+        if spec is not None:  # one object per DTensor: equal by identity save after save
             return (t, spec, local.shape, local.device)
         return (t, value.dtype, value.shape, value.placements, value.device_mesh, local.shape, local.device)
     if isinstance(value, torch.Tensor):
