@@ -27,6 +27,7 @@ import torch
 
 from ._format import dtype_from_name
 from ._protocol import ItemSpec, StagedItem, StagedSave
+from ._storage import unlink_if_present
 
 log = logging.getLogger("solosave")
 
@@ -109,7 +110,7 @@ class _Buffer:
     def forget_path(self) -> None:
         """File-backed: unlink the file once the worker has it mapped (no leftover on a kill)."""
         if self.path is not None and not self._file_unlinked:
-            _unlink(self.path)
+            unlink_if_present(self.path)
             self._file_unlinked = True
 
     def close(self) -> None:
@@ -127,13 +128,6 @@ class _Buffer:
                 pass
             self._mmap = None
             self.forget_path()
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _close_shm(shm: shared_memory.SharedMemory) -> None:

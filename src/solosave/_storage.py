@@ -122,7 +122,8 @@ class StagedCommit:
             self._discard()
 
 
-def _unlink(path: Any) -> None:
+def unlink_if_present(path: Any) -> None:
+    """Remove the local file ``path``; nothing to do if it is already gone."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -142,19 +143,19 @@ def stage_local(path: str | os.PathLike, data: bytes | Sequence[bytes], fsync: b
             if fsync:
                 os.fsync(f.fileno())
     except BaseException:
-        _unlink(tmp)
+        unlink_if_present(tmp)
         raise
 
     def finish() -> None:
         try:
             os.replace(tmp, path)
         except BaseException:
-            _unlink(tmp)
+            unlink_if_present(tmp)
             raise
         if fsync:
             fsync_dir(path.parent)
 
-    return StagedCommit(finish, lambda: _unlink(tmp))
+    return StagedCommit(finish, lambda: unlink_if_present(tmp))
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | Sequence[bytes], fsync: bool = True) -> None:
@@ -207,7 +208,7 @@ class LocalStorage:
         return stage_local(path, data, fsync=fsync)
 
     def remove(self, path: str) -> None:
-        _unlink(path)
+        unlink_if_present(path)
 
     def remove_tree(self, path: str) -> None:
         try:
