@@ -4,6 +4,7 @@ per case instead of seconds of process start-up."""
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -343,12 +344,16 @@ def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_
     def commit(name):
         return StagedCommit(lambda: log.append(f"finish {name}"), lambda: log.append(f"discard {name}"))
 
-    on_time = _Ahead()
-    on_time.offer(commit("a"))
-    staged = on_time.take()
-    assert log == [] and on_time.take() is None
+    on_time = _Ahead(lambda ahead: ahead.offer(commit("a")))
+    staged = on_time.take(10)
+    assert log == [] and on_time.take(10) is None
     staged.finish()
-    late = _Ahead()
-    assert late.take() is None  # the engine gave up waiting (its timeout)
-    late.offer(commit("b"))
+    release = threading.Event()
+    late = _Ahead(lambda ahead: release.wait(10) and ahead.offer(commit("b")))
+    assert late.take(0.2) is None  # the engine gave up waiting
+    t0 = time.monotonic()
+    assert late.take(5) is None  # later waits share the first one's deadline: no second wait
+    assert time.monotonic() - t0 < 1
+    release.set()
+    late.thread.join(10)
     assert log == ["finish a", "discard b"]

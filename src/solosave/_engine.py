@@ -193,7 +193,6 @@ class Engine:
             body, template = source()
             if body is None:
                 return
-            storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)  # reuse: may run first
             index.write(job.directory, index.render(body, template, os.fspath(job.directory), save_id),
                         fsync=self.writer.fsync, storage_options=self.settings.storage_options)
         except Exception as e:  # noqa: BLE001 - the checkpoint is complete without it
@@ -265,21 +264,21 @@ class Engine:
         takes the staged file and renames it into place; any other outcome discards it."""
         if not self.channel.is_coordinator or prepared is None or job.abort is not None:
             return None
-        ahead = _Ahead()
 
-        def run() -> None:
+        def run(ahead: _Ahead) -> None:
+            try:  # it may run before this rank's data write creates the directory
+                storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
+            except Exception:  # noqa: BLE001 - the data write meets (and reports) the same error
+                return
             self.write_index(job, lambda: (prepared.index_body, prepared.template), save_id, defaultdict(float))
             try:
-                storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
                 data = prepared.template.render_parts(os.fspath(job.directory), save_id)
                 ahead.offer(stage_metadata(job.directory, data, fsync=self.writer.fsync,
                                            storage_options=self.settings.storage_options))
             except Exception:  # noqa: BLE001,S110 - publishing writes it whole, and reports its error
                 pass
 
-        ahead.thread = threading.Thread(target=run, name="solosave-ahead", daemon=True)
-        ahead.thread.start()
-        return ahead
+        return _Ahead(run)
 
     def _reuse(self, job: SaveJob, timings: dict[str, float]) -> JobOutcome:
         ch = self.channel
@@ -290,8 +289,7 @@ class Engine:
             return self._reuse_steps(job, prepared, save_id, ahead, timings)
         finally:
             if ahead is not None:  # bounded; a late thread discards what it staged itself
-                ahead.thread.join(ch.timeout)
-                staged = ahead.take()
+                staged = ahead.take(ch.timeout)
                 if staged is not None:
                     staged.discard()
 
@@ -307,8 +305,7 @@ class Engine:
             staged = None
             if ahead is not None:
                 t0 = time.perf_counter()
-                ahead.thread.join(ch.timeout)
-                staged = ahead.take()
+                staged = ahead.take(ch.timeout)
                 timings["publish"] += time.perf_counter() - t0
             try:
                 return self._reuse_publish(job, prepared, results, save_id, staged, timings)
@@ -383,15 +380,18 @@ class _ReuseProgram:
 
 
 class _Ahead:
-    """The coordinator's thread beside a reuse save's data write, and the ``.metadata`` it
-    staged: :meth:`offer` (the thread) and :meth:`take` (the engine, once) meet under a lock, so
-    a commit offered after the engine stopped waiting is discarded by the thread itself."""
+    """The coordinator's thread beside a reuse save's data write (``run(self)``, started here),
+    and the ``.metadata`` it staged: :meth:`offer` (the thread) and :meth:`take` (the engine)
+    meet under a lock, so a commit offered after the engine stopped waiting is discarded by the
+    thread itself."""
 
-    def __init__(self) -> None:
-        self.thread: threading.Thread | None = None
+    def __init__(self, run: Callable[[_Ahead], None]) -> None:
         self._lock = threading.Lock()
         self._staged: StagedCommit | None = None
         self._taken = False
+        self._deadline: float | None = None
+        self.thread = threading.Thread(target=run, args=(self,), name="solosave-ahead", daemon=True)
+        self.thread.start()
 
     def offer(self, staged: StagedCommit) -> None:
         with self._lock:
@@ -400,7 +400,12 @@ class _Ahead:
                 return
         staged.discard()
 
-    def take(self) -> StagedCommit | None:
+    def take(self, timeout: float) -> StagedCommit | None:
+        """Wait for the thread (every call together waits at most ``timeout`` seconds) and take
+        what it staged; the caller finishes or discards it. Later offers are discarded."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + timeout
+        self.thread.join(max(self._deadline - time.monotonic(), 0.0))
         with self._lock:
             self._taken = True
             staged, self._staged = self._staged, None
