@@ -105,7 +105,8 @@ def whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRe
             wanted[k] = (v.shape, (0,) * v.dim(), v.shape)
             targets[k] = v
         elif kind is DTensor and k in index.keys:
-            if type(local_shard(v)) is torch.Tensor:  # its chunk follows from the key below
+            local = local_shard(v)  # the shard itself: to_local() costs an autograd Function per call
+            if type(local) is torch.Tensor:  # its chunk follows from the key below
                 shape_key = (v.shape, v.placements, v.device_mesh)
                 chunks = chunks_of.get(shape_key, False)
                 if chunks is False:
@@ -114,7 +115,6 @@ def whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRe
                 chunks = _local_chunks(v)
             if chunks is None:
                 continue
-            local = local_shard(v)  # the shard itself: to_local() costs an autograd Function per call
             if len(chunks) == 1 and tuple(local.shape) == tuple(chunks[0].sizes):
                 wanted[k] = (v.shape, chunks[0].offsets, chunks[0].sizes)
                 targets[k] = local
