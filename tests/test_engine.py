@@ -20,14 +20,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class FailingWriter(FileWriter):
-    """Fails every file write of ``rank`` (a test fixture)."""
+    """Fails every file write of ``rank`` while ``failing`` is set (a test fixture)."""
 
-    def __init__(self, rank):
+    def __init__(self, rank, failing=True):
         super().__init__(fsync=False)
-        self.rank = rank
+        self.rank, self.failing = rank, failing
 
     def write_file(self, directory, relative_path, records):
-        if relative_path.startswith(f"__{self.rank}_"):
+        if self.failing and relative_path.startswith(f"__{self.rank}_"):
             raise OSError(5, "injected I/O error", relative_path)
         return super().write_file(directory, relative_path, records)
 
@@ -292,26 +292,13 @@ def test_a_steady_structure_reuses_its_write_program_and_still_sees_a_drift(rank
     assert len(checks) == n + 1  # "meta" (replicated) is written by one rank: its results changed
 
 
-class SwitchWriter(FileWriter):
-    """Fails the file writes of ``rank`` while ``failing`` is set (a test fixture)."""
-
-    def __init__(self, rank):
-        super().__init__(fsync=False)
-        self.rank, self.failing = rank, False
-
-    def write_file(self, directory, relative_path, records):
-        if self.failing and relative_path.startswith(f"__{self.rank}_"):
-            raise OSError(5, "injected I/O error", relative_path)
-        return super().write_file(directory, relative_path, records)
-
-
 def test_reuse_publishes_the_metadata_it_staged_and_leaves_no_temporary_file(ranks, tmp_path):
     """The coordinator writes ``.metadata``'s bytes beside the data and renames them in at the
     end: a published reuse save holds exactly the prepared metadata and no temporary file; a
     failed one (another rank's write) and a drifted one publish nothing and leave nothing."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    writer = SwitchWriter(rank=1)
+    writer = FailingWriter(rank=1, failing=False)
     rk = ranks(2, writer=writer, assume_constant_structure=True, on_layout_drift="raise")
     rk.save(state, "c0")
     written = []  # Engine.publish writes .metadata whole: a reuse save renames the staged one
