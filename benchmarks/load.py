@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .ranks import fsdp_shards, local_part
+
 Json = dict[str, Any]
 MiB = 1 << 20
 #: ``(name, tensors (shards) over all ranks, KiB per tensor (shard), DTensor shards)``.
@@ -87,10 +89,6 @@ def _methods(sd: dict[str, Any], path: str, files: list[str]) -> dict[str, Any]:
             "solosave": lambda: solosave.load(sd, path), "solosave_dcp_read": dcp_read}
 
 
-def _local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def rank_load(rank: int, world_size: int, case: Json, cfg: Json) -> Json:
     """Save this rank's tensors once, then time every method ``1 + cfg["reps"]`` times."""
     import torch
@@ -103,12 +101,7 @@ def rank_load(rank: int, world_size: int, case: Json, cfg: Json) -> Json:
     g = torch.Generator().manual_seed(2000 + rank)
     saved = {f"t{rank}_{i}": torch.rand(case["item_kib"] * 256, generator=g) for i in range(per_rank)}
     if case.get("dtensor"):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Shard
-
-        mesh = init_device_mesh("cpu", (world_size,))
-        saved = {f"t{i}": DTensor.from_local(v, mesh, [Shard(0)], run_check=False)
-                 for i, v in enumerate(saved.values())}
+        saved = fsdp_shards(list(saved.values()), world_size)
     path = os.path.join(cfg["data_dir"], "ckpt")
     with solosave.AsyncCheckpointer(workers=1) as ckpt:
         ckpt.save(saved, path).wait(timeout=cfg["timeout"])
@@ -130,7 +123,7 @@ def rank_load(rank: int, world_size: int, case: Json, cfg: Json) -> Json:
             if rep:
                 times[m].append(dt)
             if m != "raw":
-                exact = exact and all(torch.equal(_local(sd[k]), _local(v)) for k, v in saved.items())
+                exact = exact and all(torch.equal(local_part(sd[k]), local_part(v)) for k, v in saved.items())
     return {"rank": rank, "times": times, "exact": exact, "bytes": sum(os.path.getsize(f) for f in files)}
 
 

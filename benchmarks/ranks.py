@@ -141,4 +141,19 @@ def _reap(procs: list) -> None:
             p.join(5)
 
 
-__all__ = ["free_port", "run_ranks"]
+def fsdp_shards(local: list[Any], world_size: int) -> dict[str, Any]:
+    """Rank-side: ``local`` as the shards of FSDP-style DTensors (``t{i}``, ``Shard(0)`` over a
+    1-D mesh of every rank), as FSDP2 holds its parameters; each rank passes its own shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {f"t{i}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for i, t in enumerate(local)}
+
+
+def local_part(t: Any) -> Any:
+    """The bytes this rank holds of ``t``: a DTensor's local shard, or ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+__all__ = ["fsdp_shards", "free_port", "local_part", "run_ranks"]

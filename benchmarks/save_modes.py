@@ -45,6 +45,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .ranks import fsdp_shards, local_part
+
 REPO = Path(__file__).resolve().parent.parent
 WRAP_DIR = Path(__file__).resolve().parent / "wrap_dist"
 MiB = 1 << 20
@@ -86,23 +88,12 @@ def _rank_state(rank: int, world_size: int, cfg: Json) -> dict[str, Any]:
     per_rank = cfg["count"] // world_size
     numel = cfg["total_mib"] * MiB // cfg["count"] // 4
     g = torch.Generator().manual_seed(1000 + rank)
-    if not cfg.get("dtensor"):
-        return {f"t{rank}_{i}": torch.rand(numel, generator=g, dtype=torch.float32) for i in range(per_rank)}
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    return {f"t{i}": DTensor.from_local(torch.rand(numel, generator=g, dtype=torch.float32), mesh, [Shard(0)],
-                                        run_check=False) for i in range(per_rank)}
-
-
-def _local(t: Any) -> Any:
-    """The bytes this rank holds of ``t``: a DTensor's local shard, or ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    own = {f"t{rank}_{i}": torch.rand(numel, generator=g, dtype=torch.float32) for i in range(per_rank)}
+    return fsdp_shards(list(own.values()), world_size) if cfg.get("dtensor") else own
 
 
 def _nbytes(t: Any) -> int:
-    t = _local(t)
+    t = local_part(t)
     return int(t.numel() * t.element_size())
 
 
@@ -112,7 +103,7 @@ def rank_limits(rank: int, world_size: int, cfg: Json) -> Json:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    tensors = [_local(t) for t in _rank_state(rank, world_size, cfg).values()]
+    tensors = [local_part(t) for t in _rank_state(rank, world_size, cfg).values()]
     nbytes = sum(_nbytes(t) for t in tensors)
     dst = torch.zeros(nbytes, dtype=torch.uint8)  # zeroed: its pages are mapped before timing
     views, pos = [], 0
@@ -245,7 +236,7 @@ def rank_mode(rank: int, world_size: int, mode: str, cfg: Json) -> Json:
     saves: list[Json] = []
     raw = None
     if cfg.get("interleave_raw"):  # the same bytes, written raw after every save (see _raw_write)
-        raw = memoryview(torch.cat([_local(t).detach().reshape(-1).view(torch.uint8)
+        raw = memoryview(torch.cat([local_part(t).detach().reshape(-1).view(torch.uint8)
                                     for t in sd.values()]).numpy()).cast("B")
     try:
         for i in range(cfg["saves"]):
