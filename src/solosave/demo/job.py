@@ -234,6 +234,11 @@ def run_rank(args: argparse.Namespace) -> int:
     except (SolosaveError, ValueError, FileNotFoundError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"solosave train: error: {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # leave it before exiting: a live gloo group at interpreter
+            try:                   # exit aborted a rank once ("terminate called", exit -6)
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001,S110 - exiting with status 2 anyway
+                pass
         return 2
 
 
