@@ -13,7 +13,7 @@ $(BIN)/solosave: pyproject.toml requirements-dev.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
-	# torchtitan (tests/test_titan.py) without its declared dependencies: they add ~60 packages
+	# torchtitan (tests/integrations/test_titan.py) without its declared dependencies: they add ~60 packages
 	# (wandb, datasets, tensorboard, pandas, pyarrow...) that its checkpointer never imports; the
 	# two it does import are pinned in requirements-dev.txt. Adds about 5 s; torch stays as pinned.
 	$(BIN)/pip install -q --no-deps torchtitan==0.3.0

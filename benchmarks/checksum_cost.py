@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from solosave._checksum import IMPLEMENTATION, crc32
-from solosave._write import FileWriter, Record
+from solosave._src.core.checksum import IMPLEMENTATION, crc32
+from solosave._src.save.writer import FileWriter, Record
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ page cache warm:
                        one preallocated buffer as large as they are: the bytes a load must move,
                        each to its own memory, nothing else
 ``dcp``                ``torch.distributed.checkpoint.load`` (stock ``FileSystemReader``)
-``solosave``           ``solosave.load`` (its read path, :mod:`solosave._read`)
+``solosave``           ``solosave.load`` (its read path, :mod:`solosave._src.load.read_path`)
 ``solosave_dcp_read``  ``solosave.load`` with DCP's own ``read_data`` (``fast_read = False``):
                        the read path before issue 14
 
@@ -74,7 +74,7 @@ def _methods(sd: dict[str, Any], path: str, files: list[str]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     import solosave
-    from solosave._load import SafeFileSystemReader
+    from solosave._src.load.load import SafeFileSystemReader
 
     buf = torch.zeros(sum(os.path.getsize(f) for f in files), dtype=torch.uint8)  # pages mapped before timing
 

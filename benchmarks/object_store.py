@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from solosave._src.testing.s3_server import s3_server
+
 from .ranks import environ, run_ranks
-from .s3_server import s3_server
 
 Json = dict[str, Any]
 MiB = 1 << 20

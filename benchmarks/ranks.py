@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+from solosave._src.testing.ports import free_port
 
 #: Seconds a rank process gets to exit after it reported, before it is killed.
 JOIN_S = 10.0
@@ -41,11 +42,6 @@ def environ(updates: Mapping[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the rendezvous port of one launch)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple, out: Any, env: dict) -> None:

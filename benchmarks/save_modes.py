@@ -23,7 +23,7 @@ Modes (``MODES``):
 ``solosave_create_reuse``     ``AsyncCheckpointer(prepared_metadata=FILE, create_prepared_metadata=True)``:
                               the same, with the prepared metadata also written to FILE
 ``solosave_create_reuse_zlib`` the same with ``SOLOSAVE_CRC32=zlib``: the records' CRC32 by
-                              zlib instead of ISA-L (``solosave._checksum``; ``--only limits``)
+                              zlib instead of ISA-L (``solosave._src.core.checksum``; ``--only limits``)
 
 Per save and rank: *block* is the time inside the save call (``dcp.save``, ``async_save``,
 ``AsyncCheckpointer.save``); *to_published* is from entering it until the checkpoint is complete

@@ -20,7 +20,7 @@ two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1
   scattered plans, unpickling W write-result lists (``WriteResult`` with ``_StorageInfo``),
   ``FileSystemWriter.finish`` (builds ``storage_data``, pickles and writes ``.metadata`` with
   fsync), and pickling the ``Metadata`` that ``_DistWrapper.all_reduce`` broadcasts to every rank.
-* solosave, collective path (solosave's own functions, ``solosave._collective``; no stand-ins):
+* solosave, collective path (solosave's own functions, ``solosave._src.save.collective``; no stand-ins):
   each rank's gather payload (``plan_request`` of a real ``SaveJob`` of a create save: columnar
   specs, staged positions only when not every held item is staged, flatten mapping), pickled as
   the channel pickles it; the coordinator's unpickling, ``decide`` (lock-step check and
@@ -36,7 +36,7 @@ two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1
   simulation fails if the new payload is larger (``plan_bytes_*_old_form``; likewise, reported
   only, ``scatter_bytes_old_form`` and ``result_bytes_*_old_form``).
 * solosave, reuse path (``measure_startup``), from the prepared file the create save wrote
-  (``finish`` with a ``prepared_path``: the sectioned format of ``solosave._sections``): per
+  (``finish`` with a ``prepared_path``: the sectioned format of ``solosave._src.prepared.sections``): per
   sampled rank (0, W/2, W-1) the start-up a rank runs - ``load_prepared_metadata`` (header),
   ``check_compatible``, the first ``plan_reuse`` (its own section, the structure, the directory
   buckets of items other ranks write) - timed and with the bytes it read, and the pickled size of
@@ -139,7 +139,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def solosave_rank_specs(structure: list[tuple[str, tuple[int, ...]]], world: int, rank: int) -> list:
     """Rank ``rank``'s items (``ItemSpec``), sorted by fqn as ``_plan.plan_local`` sorts them."""
-    from solosave._protocol import ItemKind, ItemSpec
+    from solosave._src.coordination.protocol import ItemKind, ItemSpec
 
     specs = []
     for name, shape in structure:
@@ -154,7 +154,7 @@ def solosave_job(specs: list, directory: str, seq: int = 1, reuse: bool = False)
     """The ``SaveJob`` a rank's session builds for a create save of ``specs`` (``reuse``: for a
     reuse save, which takes the collective path when its layout drifted): every item held and
     staged (tensors at made-up buffer offsets; no buffer: nothing is written here)."""
-    from solosave._protocol import Mode, SaveJob, StagedItem, StagedSave
+    from solosave._src.coordination.protocol import Mode, SaveJob, StagedItem, StagedSave
 
     planner_data = {s.fqn: ("model", s.fqn[len("model."):]) for s in specs}
     return SaveJob(seq=seq, directory=directory, mode=Mode.REUSE if reuse else Mode.COLLECTIVE,
@@ -163,14 +163,14 @@ def solosave_job(specs: list, directory: str, seq: int = 1, reuse: bool = False)
 
 
 def _dumps(obj: Any) -> bytes:
-    """Pickled as ``solosave._coordinate`` pickles every collective payload."""
+    """Pickled as ``solosave._src.coordination.channel`` pickles every collective payload."""
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def solosave_plan_payload(job: Any) -> bytes:
     """One rank's planning gather payload: ``_collective.plan_request`` (no pre-written
     results, no drifts), pickled as the channel pickles it."""
-    from solosave._collective import plan_request
+    from solosave._src.save.collective import plan_request
 
     return _dumps(plan_request(job, None, []))
 
@@ -181,7 +181,7 @@ def old_plan_payload(job: Any) -> bytes:
     dtype_index, nbytes, ndims, numbers), staged positions, planner_data, prewritten, drifts,
     identity)``, whose staged positions were always an ``array("q")`` of every staged item and
     whose identity was an int."""
-    from solosave._packing import pack_specs
+    from solosave._src.coordination.packing import pack_specs
 
     packed = pack_specs(list(job.held))
     old = (("cols",) + tuple(packed), array("q", range(len(job.held))), job.planner_data, None, [], 123456789)
@@ -192,8 +192,8 @@ def solosave_results(specs: list, rank: int, workers: int) -> list:
     """The write results ``FileWriter`` reports for ``specs`` (the items assigned to ``rank``):
     ``bucket_items`` decides files and order, as ``_collective.write_assigned`` does; lengths are
     modelled (see module docstring)."""
-    from solosave._format import file_name
-    from solosave._layout import bucket_items
+    from solosave._src.formats.dcp import file_name
+    from solosave._src.plan.layout import bucket_items
 
     over = record_overhead()
     results = []
@@ -209,10 +209,10 @@ def solosave_results(specs: list, rank: int, workers: int) -> list:
 def coordinator_engine(world: int, workers: int, prepared_path: str | None = None) -> Any:
     """The coordinator's real ``Engine`` (rank 0 of ``world`` in-process channels; ``finish``
     calls no collective, so the other ranks' channels are never used)."""
-    from solosave._coordinate import local_channels
-    from solosave._engine import Engine
-    from solosave._protocol import EngineSettings
-    from solosave._write import FileWriter
+    from solosave._src.coordination.protocol import EngineSettings
+    from solosave._src.save.engine import Engine
+    from solosave._src.save.writer import FileWriter
+    from solosave._src.testing.local_channel import local_channels
 
     return Engine(local_channels(world)[0], EngineSettings(workers=workers, prepared_path=prepared_path),
                   FileWriter(fsync=True))
@@ -220,10 +220,10 @@ def coordinator_engine(world: int, workers: int, prepared_path: str | None = Non
 
 def simulate_solosave(structure: list, world: int, workers: int, directory: str) -> Json:
     """The collective path's coordinator work and the reuse path's, at world size ``world``."""
-    from solosave._chunks import validate_chunks
-    from solosave._collective import decide, finish
-    from solosave._packing import written_columns
-    from solosave._protocol import Verdict, WriteReport
+    from solosave._src.coordination.packing import written_columns
+    from solosave._src.coordination.protocol import Verdict, WriteReport
+    from solosave._src.plan.chunks import validate_chunks
+    from solosave._src.save.collective import decide, finish
 
     out: Json = {"world": world}
     ckpt = os.path.join(directory, f"solosave_w{world}")
@@ -331,9 +331,9 @@ def measure_fallback(out: Json, structure: list, world: int, workers: int, ckpt:
     it) and, on one rank, why it drifted; the coordinator's work is timed as for the create save
     (unpickling, ``decide``, unpickling the reports of the kept files, ``finish``, which
     refreshes the prepared file). ``fallback_save_s`` is its total."""
-    from solosave._collective import decide, finish, plan_request, write_assigned
-    from solosave._packing import written_columns
-    from solosave._protocol import Verdict
+    from solosave._src.coordination.packing import written_columns
+    from solosave._src.coordination.protocol import Verdict
+    from solosave._src.save.collective import decide, finish, plan_request, write_assigned
 
     payloads, reports, coord_job = [], [], None
     for r in range(world):
@@ -373,9 +373,9 @@ def measure_load(out: Json, ckpt: str, md_path: str, samples: dict, structure: l
     (``solosave.load``'s path; per sampled rank, loading the shards it saved: open the index,
     check it against ``.metadata``, build the ``Metadata`` of its keys), and, for comparison, the
     whole ``.metadata`` unpickled (what stock DCP and ``use_index=False`` do)."""
-    from solosave._format import INDEX_FILE
-    from solosave._lookup import LoadIndex
-    from solosave._safe_pickle import safe_loads
+    from solosave._src.formats.dcp import INDEX_FILE
+    from solosave._src.formats.safe_pickle import safe_loads
+    from solosave._src.index.reader import LoadIndex
 
     data = open(md_path, "rb").read()  # noqa: SIM115 - read once
     _, out["t_load_unpickle"] = _timed(lambda: pickle.loads(data))
@@ -409,11 +409,11 @@ def measure_startup(out: Json, world: int, workers: int, prepared_path: str, mad
     first ``plan_reuse`` (reads this rank's section and any directory buckets) + the layout guard,
     and the pickle of what the trainer sends its worker; the coordinator also reads the template
     (or adopts the create save's, in the same job) and publishes per save."""
-    from solosave import _index as index
-    from solosave._layout import check_layout
-    from solosave._plan import LocalPlan
-    from solosave._prepared import load_prepared_metadata
-    from solosave._publish import publish_metadata
+    from solosave._src.index import writer as index
+    from solosave._src.plan.layout import check_layout
+    from solosave._src.plan.local_plan import LocalPlan
+    from solosave._src.prepared.prepared import load_prepared_metadata
+    from solosave._src.save.publish import publish_metadata
 
     per_rank, reads, sent, plans = [], [], [], []
     for r, (held, results) in samples.items():

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import queue
 import shutil
-import socket
 import sys
 import time
 import traceback
@@ -24,11 +23,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from solosave._src.testing.ports import free_port
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, out: Any, env: dict) -> None:
@@ -235,9 +230,9 @@ def publish_with_index(directory: Any, md: Any = None) -> str:
     import pickle
     import uuid
 
-    from solosave._format import INDEX_FILE, METADATA_FILE
-    from solosave._index import body_from_metadata, render
-    from solosave._publish import MetadataTemplate
+    from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
+    from solosave._src.formats.metadata_template import MetadataTemplate
+    from solosave._src.index.writer import body_from_metadata, render
 
     if md is None:
         with open(os.path.join(directory, METADATA_FILE), "rb") as f:

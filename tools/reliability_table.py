@@ -21,9 +21,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "reliability.md")
 START, END = "<!-- reliability-table:start -->", "<!-- reliability-table:end -->"
-SUITES = ["tests/test_faults.py", "tests/test_faults_input.py", "tests/test_faults_lifecycle.py",
-          "tests/test_load.py", "tests/test_write.py", "tests/test_engine.py", "tests/test_multihost.py",
-          "tests/test_verify.py", "tests/test_checkpointer.py", "tests/test_index.py"]
+SUITES = ["tests/faults/test_faults.py", "tests/faults/test_faults_input.py", "tests/faults/test_faults_lifecycle.py",
+          "tests/multiproc/test_load.py", "tests/unit/save/test_write.py", "tests/unit/save/test_engine.py",
+          "tests/multiproc/test_multihost.py", "tests/integrations/test_verify.py",
+          "tests/multiproc/test_checkpointer.py", "tests/unit/index/test_index.py"]
 
 
 def run(paths: list[str], marker: str) -> tuple[dict, str, float]:
@@ -68,7 +69,7 @@ def main() -> int:
     if a.run:
         runs.append(run(SUITES, "not slow"))
         if a.with_soak:
-            runs.append(run(["tests/test_soak.py", *SUITES], "slow"))  # soaks and slow-marked cases
+            runs.append(run(["tests/multiproc/test_soak.py", *SUITES], "slow"))  # soaks and slow-marked cases
     for path in a.json:
         with open(path) as f:
             data = json.load(f)

@@ -8,9 +8,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=(2.14.1 2.6.0)
-CORE="tests/test_records.py tests/test_structure.py tests/test_stage.py tests/test_plan.py tests/test_protocol.py
-      tests/test_global_plan.py tests/test_engine.py tests/test_write.py tests/test_load.py tests/test_reuse.py
-      tests/test_checkpointer.py"
+CORE="tests/unit/formats/test_records.py tests/multiproc/test_structure.py tests/unit/save/test_stage.py tests/unit/plan/test_plan.py tests/unit/dist/test_protocol.py
+      tests/unit/plan/test_global_plan.py tests/unit/save/test_engine.py tests/unit/save/test_write.py tests/multiproc/test_load.py tests/multiproc/test_reuse.py
+      tests/multiproc/test_checkpointer.py"
 mkdir -p bench-out
 out=bench-out/torch-versions.txt
 touch "$out"

@@ -10,9 +10,8 @@ Public API (everything else is private and may change)::
     StagingRaceError
 """
 
-from ._checkpointer import AsyncCheckpointer, SaveHandle
-from ._coordinate import CollectiveCall
-from ._errors import (
+from solosave._src.coordination.channel import CollectiveCall
+from solosave._src.core.errors import (
     CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -25,13 +24,19 @@ from ._errors import (
     UnsafeMetadataError,
     WorkerDiedError,
 )
-from ._export import ExportReport, export
-from ._load import load
-from ._options import CheckpointerOptions
-from ._prepared import Fingerprint, PreparedMetadata, load_prepared_metadata, save_prepared_metadata
-from ._result import PhaseTimings, SaveResult
-from ._verify import VerifyReport, verify_checkpoint
-from ._write import FileWriter
+from solosave._src.load.load import load
+from solosave._src.prepared.prepared import (
+    Fingerprint,
+    PreparedMetadata,
+    load_prepared_metadata,
+    save_prepared_metadata,
+)
+from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
+from solosave._src.save.options import CheckpointerOptions
+from solosave._src.save.result import PhaseTimings, SaveResult
+from solosave._src.save.writer import FileWriter
+from solosave._src.tools.export import ExportReport, export
+from solosave._src.tools.verify import VerifyReport, verify_checkpoint
 
 __version__ = "0.1.0"
 

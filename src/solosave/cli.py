@@ -21,7 +21,7 @@ from typing import Any
 def _inspect(path: str, as_json: bool, storage_options: dict | None = None) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ._prepared import load_prepared_metadata
+    from solosave._src.prepared.prepared import load_prepared_metadata
 
     prepared = load_prepared_metadata(path, storage_options=storage_options)
     md = prepared.metadata
@@ -36,7 +36,7 @@ def _inspect(path: str, as_json: bool, storage_options: dict | None = None) -> i
     files: dict[str, int] = defaultdict(int)
     for info in md.storage_data.values():
         files[info.relative_path] += int(info.length)
-    from ._format import parse_file_name
+    from solosave._src.formats.dcp import parse_file_name
 
     ranks: dict[int, int] = defaultdict(int)
     for f, n in files.items():
@@ -71,7 +71,7 @@ def _inspect(path: str, as_json: bool, storage_options: dict | None = None) -> i
 
 def _prepare(src: str, out: str, world_size: int | None, workers: int | None,
              storage_options: dict | None = None) -> int:
-    from ._prepared import PreparedMetadata, load_prepared_metadata, save_prepared_metadata
+    from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata, save_prepared_metadata
 
     p = load_prepared_metadata(src, storage_options=storage_options)
     save_prepared_metadata(PreparedMetadata.from_metadata(p.metadata, world_size, workers, source=out), out,
@@ -82,8 +82,8 @@ def _prepare(src: str, out: str, world_size: int | None, workers: int | None,
 
 def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, progress: bool,
             storage_options: dict | None = None) -> int:
-    from ._progress import ProgressBar
-    from ._verify import verify_checkpoint
+    from solosave._src.core.progress import ProgressBar
+    from solosave._src.tools.verify import verify_checkpoint
 
     bars: list[ProgressBar] = []
 
@@ -120,8 +120,8 @@ def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, pro
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ._export import export
-    from ._progress import ProgressBar
+    from solosave._src.core.progress import ProgressBar
+    from solosave._src.tools.export import export
 
     bars: list[ProgressBar] = []
 
@@ -166,7 +166,7 @@ def _positive(text: str) -> int:
 
 
 def _size(text: str) -> int:
-    from ._export import parse_size
+    from solosave._src.tools.export import parse_size
 
     try:
         return parse_size(text)
@@ -175,7 +175,7 @@ def _size(text: str) -> int:
 
 
 def _storage_flag(parser: argparse.ArgumentParser) -> None:
-    from ._options import json_object
+    from solosave._src.save.options import json_object
 
     parser.add_argument("--storage-options", type=json_object, default=None, metavar="JSON",
                         help="paths may be URLs (s3://bucket/path; pip install 'solosave[s3]'): keyword "
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(argv[1:])
     args = build_parser().parse_args(argv)
-    from ._errors import SolosaveError
+    from solosave._src.core.errors import SolosaveError
 
     try:
         if args.command == "inspect":

@@ -21,7 +21,7 @@ A checkpoint of step ``s`` lives in ``<save>/iter_{s:07d}``. It counts as *publi
 ``.metadata`` exists: solosave writes that file last and atomically. Only then does the
 coordinator (rank 0) move ``<save>/latest`` (atomically) and prune old checkpoints
 (``keep_last``, sparing ``keep_every`` archival ones), on a background thread
-(:mod:`solosave._retention`), never the newest published one and never one newer than it.
+(:mod:`solosave._src.tools.retention`), never the newest published one and never one newer than it.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._checkpointer import AsyncCheckpointer, SaveHandle
-from ._errors import SolosaveError
-from ._format import METADATA_FILE
-from ._options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args
-from ._prepared import PreparedMetadata, load_prepared_metadata
-from ._result import SaveResult
-from ._retention import Pruner, remove_checkpoint
-from ._storage import basename, join, storage_for
+from solosave._src.core.errors import SolosaveError
+from solosave._src.formats.dcp import METADATA_FILE
+from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
+from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
+from solosave._src.save.options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args
+from solosave._src.save.result import SaveResult
+from solosave._src.storage.storage import basename, join, storage_for
+from solosave._src.tools.retention import Pruner, remove_checkpoint
 
 log = logging.getLogger("solosave")
 

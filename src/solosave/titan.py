@@ -63,11 +63,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ._checkpointer import AsyncCheckpointer, SaveHandle
-from ._errors import SolosaveError
-from ._format import METADATA_FILE
-from ._load import load as solosave_load
-from ._options import CheckpointerOptions, OptionError
+from solosave._src.core.errors import SolosaveError
+from solosave._src.formats.dcp import METADATA_FILE
+from solosave._src.load.load import load as solosave_load
+from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
+from solosave._src.save.options import CheckpointerOptions, OptionError
+
 from .integrations import CheckpointManager, PublishedSave, checkpoint_dir, find_latest_checkpoint
 
 try:

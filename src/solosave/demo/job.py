@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import solosave
+from solosave._src.core.errors import SolosaveError
 
-from .._errors import SolosaveError
 from ..integrations import CheckpointManager, checkpointer_from_args, find_latest_checkpoint
 from .data import batch_at, lr_at, make_corpus
 from .model import make_model

@@ -10,14 +10,14 @@ import os
 import statistics
 from typing import Any
 
-from .._storage import basename, join, storage_for
+from solosave._src.storage.storage import basename, join, storage_for
 
 
 class Reporter:
     """Rank 0's output: progress bar, one line per finished save, JSON lines, summary table."""
 
     def __init__(self, args: argparse.Namespace, rank: int, start_step: int) -> None:
-        from .._progress import ProgressBar
+        from solosave._src.core.progress import ProgressBar
 
         self.rank = rank
         self.storage_options = getattr(args, "storage_options", None)

@@ -1,0 +1,1 @@
+"""Between ranks: protocol messages, the status word, the Channel (the one door for collectives), rendezvous."""

@@ -1,0 +1,62 @@
+"""Setting up the background channel: the store address and the background gloo group."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch.distributed as dist
+
+from solosave._src.coordination.channel import CollectiveCall, CollectiveCounter, DistChannel
+
+
+def share_store_address(group: Any, counter: CollectiveCounter, timeout_s: float) -> tuple[Any, tuple[str, int, str]]:
+    """Group rank 0 serves a fresh ``TCPStore``, listening only on the address of the training
+    store (``MASTER_ADDR``; ``SOLOSAVE_STORE_HOST`` overrides it); its address reaches every rank
+    through one ``broadcast_object_list`` on ``group`` (counted). Returns ``(server_or_None,
+    (host, port, prefix))``; the server (the store and its socket) must live as long as the
+    workers use it (rank 0 keeps it)."""
+    ch = DistChannel(group, counter)
+    store = None
+    addr = None
+    if ch.is_coordinator:
+        host = os.environ.get("SOLOSAVE_STORE_HOST") or os.environ.get("MASTER_ADDR") or socket.gethostname()
+        listener = _listen(host)
+        port = listener.getsockname()[1]
+        kw = {"is_master": True, "wait_for_workers": False, "master_listen_fd": listener.fileno(),
+              "timeout": datetime.timedelta(seconds=timeout_s)}
+        try:
+            server = dist.TCPStore(host, port, **kw)
+        except NotImplementedError:  # torch < 2.7: libuv's store takes no listen fd; the legacy one does
+            server = dist.TCPStore(host, port, use_libuv=False, **kw)
+        store = (server, listener)  # the server serves on the listener's socket: keep both
+        addr = (host, port, f"solosave/{uuid.uuid4().hex}/")
+    addr = ch.broadcast_object(addr)
+    return store, addr
+
+
+def _listen(host: str) -> socket.socket:
+    """A listening TCP socket bound to ``host``'s address (not every interface)."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, kind, proto)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(sockaddr[:2] if family == socket.AF_INET else sockaddr)
+    s.listen(1024)
+    return s
+
+
+def new_gloo_group(group: Any, counter: CollectiveCounter, timeout_s: float) -> Any:
+    """A gloo group over the same ranks as ``group`` (thread mode). Collective over the *world*
+    group (``torch.distributed.new_group``'s rule): every rank of the job must call it."""
+    t0 = time.perf_counter()
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    g = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    counter.record(CollectiveCall("new_group", 0, threading.current_thread().name, time.perf_counter() - t0))
+    return g
+
+

@@ -1,0 +1,84 @@
+"""The reuse status word: one int64 that every rank contributes to one ``all_reduce(BAND)``.
+
+It carries the rank's status (failed / drifted / ok) and the identity of the save it is running,
+so the one 8-byte collective of a reuse save both agrees on the outcome and detects ranks that
+are out of step. Pure functions; re-exported by ``dist/protocol.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import NamedTuple
+
+
+class Status(enum.IntEnum):
+    """A rank's reuse status; the agreed status is the minimum over ranks."""
+
+    FAILED = 0
+    DRIFT = 1
+    OK = 2
+
+
+# One int64, reduced with bitwise AND: bits 0-1 the status as a thermometer code (so AND is
+# MIN), bits 2-31 the save's identity (15 bits of its sequence number, 15 bits of a hash of its
+# directory), bits 32-61 their complement. If every rank ran the same save, the AND gives back
+# the identity and its exact complement; if two ranks differ in an identity bit, that bit is 0
+# in both halves, which every rank sees (the reduced value is the same everywhere). A rank whose
+# save() raised does not know for sure which directory the others save to: it sends 1s in both
+# halves of the directory part (a wildcard that AND leaves to the other ranks).
+
+_STATUS_CODE = {Status.FAILED: 0b00, Status.DRIFT: 0b01, Status.OK: 0b11}
+_CODE_STATUS = {v: k for k, v in _STATUS_CODE.items()}
+_HALF = 15
+_HALF_MASK = (1 << _HALF) - 1
+_ID_BITS = 2 * _HALF
+_ID_MASK = (1 << _ID_BITS) - 1
+
+
+class SaveIdentity(NamedTuple):
+    """Which save a rank is running: its sequence number's low bits and its directory's hash
+    (``None``: any directory, see above)."""
+
+    seq_bits: int
+    dir_bits: int | None
+
+
+
+def same_save(identities: list[SaveIdentity]) -> bool:
+    """Every rank runs the same save (the planning gather's check; the status word makes the
+    same check through the AND): one sequence number, one directory apart from wildcards."""
+    return len({i.seq_bits for i in identities}) == 1 and len({i.dir_bits for i in identities} - {None}) <= 1
+
+
+def save_identity(seq: int, directory: str | None) -> SaveIdentity:
+    """The identity of one save, equal on every rank that runs it."""
+    if directory is None:
+        return SaveIdentity(seq & _HALF_MASK, None)
+    digest = hashlib.blake2b(directory.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    return SaveIdentity(seq & _HALF_MASK, int.from_bytes(digest, "little") & _HALF_MASK)
+
+
+def encode_status(status: Status, ident: SaveIdentity) -> int:
+    seq_part = ident.seq_bits | ((~ident.seq_bits & _HALF_MASK) << _ID_BITS)
+    if ident.dir_bits is None:
+        dir_part = (_HALF_MASK << _HALF) | (_HALF_MASK << (_ID_BITS + _HALF))
+    else:
+        dir_part = (ident.dir_bits << _HALF) | ((~ident.dir_bits & _HALF_MASK) << (_ID_BITS + _HALF))
+    return _STATUS_CODE[status] | (seq_part << 2) | (dir_part << 2)
+
+
+def decode_status(word: int, ident: SaveIdentity) -> Status | None:
+    """The agreed status, or ``None`` if the ranks were not all running save ``ident``."""
+    code = word & 0b11
+    ids = (word >> 2) & _ID_MASK
+    comp = (word >> (2 + _ID_BITS)) & _ID_MASK
+    seq, seq_c = ids & _HALF_MASK, comp & _HALF_MASK
+    d, d_c = ids >> _HALF, comp >> _HALF
+    if seq != ident.seq_bits or seq_c != (~ident.seq_bits & _HALF_MASK) or code not in _CODE_STATUS:
+        return None
+    if ident.dir_bits is not None:
+        ok = d == ident.dir_bits and d_c == (~ident.dir_bits & _HALF_MASK)
+    else:  # a wildcard: every rank a wildcard, or the others agree among themselves
+        ok = (d == d_c == _HALF_MASK) or (d_c == (~d & _HALF_MASK))
+    return _CODE_STATUS[code] if ok else None

@@ -1,0 +1,1 @@
+"""The load index beside .metadata: its writer and its reader."""

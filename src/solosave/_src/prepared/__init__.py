@@ -1,0 +1,1 @@
+"""The prepared-metadata file (sections, key buckets, conversions) and PreparedMetadata."""

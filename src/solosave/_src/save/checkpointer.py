@@ -1,0 +1,394 @@
+"""The public saver: :class:`AsyncCheckpointer` (its handles: ``_handle.SaveHandle``).
+
+Who calls what, in which order (every rank of ``process_group``):
+
+1. ``AsyncCheckpointer(...)`` - collective once: rank 0 shares a store address (one broadcast)
+   and each rank starts its worker, which forms the background gloo channel.
+2. ``save(state_dict, path)`` - **no collective**: waits for the previous save of this
+   checkpointer (bounded), plans locally, stages into host buffers, hands the job to the worker
+   and returns a :class:`SaveHandle`. Every rank must call ``save`` for every checkpoint, in the
+   same order. If it raises on some ranks only (bad input on one rank), the save still fails on
+   every rank at once, naming that rank and its error (the raising rank hands the worker a job
+   that fails the save).
+3. ``handle.done()`` - non-blocking, no collective; ``handle.wait(timeout)`` - bounded, returns a
+   :class:`SaveResult` or raises :class:`~solosave.CheckpointError` (the same on every rank).
+4. ``close()`` (or leaving the ``with`` block) - waits for the save in flight (bounded), stops
+   the worker and frees the staging memory; no processes, segments or files are left behind. A
+   checkpointer dropped without ``close()`` is closed when it is garbage-collected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+
+from solosave._src.coordination.channel import CollectiveCounter, DistChannel
+from solosave._src.coordination.protocol import (
+    ChannelSpec,
+    EngineSettings,
+    ErrorKind,
+    JobOutcome,
+    SaveJob,
+    SaveKind,
+    WorkerSetup,
+)
+from solosave._src.coordination.rendezvous import new_gloo_group, share_store_address
+from solosave._src.core.errors import CheckpointExistsError, PreparedMetadataError, SaveTimeoutError, WorkerDiedError
+from solosave._src.core.gc_pause import gc_paused
+from solosave._src.formats.dcp import METADATA_FILE
+from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
+from solosave._src.save.engine import Engine
+from solosave._src.save.handle import SaveHandle
+from solosave._src.save.options import CheckpointerOptions
+from solosave._src.save.result import SaveResult
+from solosave._src.save.session import SaveSession, normalize_directory
+from solosave._src.save.staging import Staging
+from solosave._src.save.worker import ProcessTransport, ThreadTransport
+from solosave._src.save.writer import FileWriter
+from solosave._src.storage.storage import check_local_path, check_url_destination, is_url, join, path_exists
+
+log = logging.getLogger("solosave")
+
+
+class _Resources:
+    """What a checkpointer must release however it ends (see ``weakref.finalize`` below)."""
+
+    def __init__(self) -> None:
+        self.transport: ProcessTransport | ThreadTransport | None = None
+        self.session: SaveSession | None = None
+        self.group: Any = None
+        self.store: Any = None
+
+    def release(self, timeout: float) -> None:
+        try:
+            if self.transport is not None:
+                self.transport.close(timeout)
+        finally:
+            if self.session is not None:
+                self.session.close()
+            if self.group is not None:
+                try:
+                    dist.destroy_process_group(self.group)
+                except Exception:  # noqa: BLE001,S110 - already gone with the default group
+                    pass
+            self.store = None
+
+
+class AsyncCheckpointer:
+    """Asynchronous DCP-format saves with a persistent worker per rank.
+
+    Args:
+        process_group: the ranks that save together (default: the world group). Works with gloo
+            and NCCL; the background uses its own gloo channel, never this group's stream.
+        writer: a :class:`~solosave.FileWriter` (subclass) that writes the files.
+        options: a :class:`~solosave.CheckpointerOptions`, or its fields as keywords:
+            ``workers``, ``persistent_worker``, ``prepared_metadata``, ``create_prepared_metadata``,
+            ``assume_constant_structure``, ``on_layout_drift``, ``timeout``, ``checksums``,
+            ``staging_dir`` (each documented on ``CheckpointerOptions``).
+    """
+
+    def __init__(self, process_group: Any = None, *, writer: FileWriter | None = None,
+                 options: CheckpointerOptions | None = None, **kwargs: Any) -> None:
+        if options is not None and kwargs:
+            raise TypeError("pass either options=CheckpointerOptions(...) or its fields as keywords, not both")
+        self.options = options if options is not None else CheckpointerOptions(**kwargs)
+        writer = _check_writer(writer, self.options)
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("torch.distributed is not initialised: call "
+                             "torch.distributed.init_process_group(...) before creating an "
+                             "AsyncCheckpointer (for a single process: world_size=1, backend='gloo')")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self._setup_counter = CollectiveCounter()
+        self._inflight: SaveHandle | None = None
+        self._closed = False
+        self._submit_error: BaseException | None = None
+        self._known_buckets: set[str] = set()  # URL destinations whose bucket was seen to exist
+        self._res = _Resources()
+        self._res.session = SaveSession(self.rank, self.world_size, self.options, self._agreed_prepared())
+        self._finalizer = weakref.finalize(self, self._res.release, 5.0)
+        self._start_background(writer)
+
+    def _start_background(self, writer: FileWriter | None) -> None:
+        o = self.options
+        settings = EngineSettings(o.workers, o.on_layout_drift, o.prepared_path, o.storage_options)
+        self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
+        if o.persistent_worker:
+            spec = ChannelSpec(host, port, prefix, self.rank, self.world_size, float(o.timeout))
+            self._res.transport = ProcessTransport(WorkerSetup(spec, settings, writer, os.getpid()))
+            return
+        import datetime
+
+        self._res.group = new_gloo_group(self.process_group, self._setup_counter, o.timeout)
+        client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=o.timeout))
+        receipts = dist.PrefixStore(prefix + "receipts/", client)
+        channel = DistChannel(self._res.group, CollectiveCounter(), store=receipts, timeout=o.timeout)
+        self._res.transport = ThreadTransport(Engine(channel, settings, writer))
+
+    # -- prepared metadata ----------------------------------------------------------------
+    def _agreed_prepared(self) -> PreparedMetadata | None:
+        """:meth:`_initial_prepared` on every rank, then one 8-byte ``all_reduce`` (counted):
+        when it failed on some ranks only (say, one rank's section of the prepared file is
+        damaged, or one rank cannot read the file), every rank raises now, naming that rank,
+        instead of the others waiting for it in the set-up broadcast until the timeout."""
+        try:
+            prepared, error = self._initial_prepared(), None
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
+            prepared, error = None, e
+        ch = DistChannel(self.process_group, self._setup_counter)
+        if ch.all_true(error is None):
+            return prepared
+        reports = ch.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        rank, why = next((r, m) for r, m in enumerate(reports) if m is not None)
+        raise PreparedMetadataError(f"rank {rank} could not set up its AsyncCheckpointer: {why} (every rank "
+                                    "must be able to read the prepared metadata; no rank started a worker)")
+
+    def _initial_prepared(self) -> PreparedMetadata | None:
+        o = self.options
+        pm = o.prepared_metadata
+        if pm is None:
+            return None
+        if isinstance(pm, PreparedMetadata):
+            prepared = pm
+        elif isinstance(pm, Metadata):
+            prepared = PreparedMetadata.from_metadata(pm, source="prepared_metadata object")
+        else:
+            if not path_exists(pm, o.storage_options):
+                if o.create_prepared_metadata:
+                    return None
+                raise PreparedMetadataError(
+                    f"prepared metadata file {os.fspath(pm)!r} does not exist; pass "
+                    "create_prepared_metadata=True to create it on the first save, or run "
+                    "`solosave prepare --from <checkpoint> --out <file>`")
+            prepared = load_prepared_metadata(pm, storage_options=o.storage_options)
+        prepared.check_compatible(self.world_size, o.workers)
+        prepared.rank_files(self.rank)  # this rank's section, read and checked now (not at the first save)
+        return prepared
+
+    @property
+    def prepared(self) -> PreparedMetadata | None:
+        """The prepared metadata in use (``None`` until the first save makes it)."""
+        return self._session.prepared
+
+    @property
+    def _session(self) -> SaveSession:
+        assert self._res.session is not None  # noqa: S101 - set in __init__
+        return self._res.session
+
+    @property
+    def _transport(self) -> ProcessTransport | ThreadTransport:
+        assert self._res.transport is not None  # noqa: S101 - set in __init__
+        return self._res.transport
+
+    @property
+    def worker_pid(self) -> int:
+        return self._transport.pid
+
+    # -- saving ---------------------------------------------------------------------------
+    def save(self, state_dict: dict[str, Any], path: str | os.PathLike, *,
+             overwrite: bool = False) -> SaveHandle:
+        """Start saving ``state_dict`` to directory ``path``; returns once it is staged.
+
+        Waits first (at most ``timeout``) for this checkpointer's previous save: one save is in
+        flight at a time, so two saves never interleave and staging memory stays bounded. Every
+        rank must call ``save`` with the same ``path``. No collective is called here. Values with
+        ``state_dict()``/``load_state_dict()`` at the top level are saved as their state dict.
+        """
+        if self._closed:
+            raise ValueError("this AsyncCheckpointer is closed; create a new one")
+        t_start = time.time()
+        p0 = time.perf_counter()
+        mark = self._setup_counter.mark()
+        if self._inflight is not None:
+            self._wait_for(self._inflight, self.options.timeout)
+        try:
+            directory = self._check_destination(path, overwrite)
+            # No collection of the trainer's heap inside the stall: a save allocates a few small
+            # objects per item, enough to set off a generation-2 pass (21 ms per save of 2048
+            # tensors, py-spy, issue 13). Reference counting frees them; the collector resumes.
+            with gc_paused():
+                built = self._session.build(state_dict, directory)
+        except Exception as e:
+            abort = self._session.abort(normalize_directory(path), e)
+            self._inflight = SaveHandle(self, abort, t_start, 0.0, 0.0, 0.0, ())
+            try:
+                self._submit(abort, None)
+            except WorkerDiedError:  # nothing to fail: the next save reports the dead worker
+                self._inflight = None
+            raise
+        handle = SaveHandle(self, built.job, t_start, built.plan_s, built.stage_s,
+                            time.perf_counter() - p0, tuple(self._setup_counter.since(mark)))
+        handle._staging = built.staging
+        self._inflight = handle
+        self._submit(built.job, built.staging)
+        return handle
+
+    def _submit(self, job: SaveJob, staging: Staging | None) -> None:
+        """Hand ``job`` to the worker; when its copies are still running (CUDA, overlapped
+        staging), from a thread that first waits for them, so the training thread goes on and
+        no CUDA object reaches the worker. A staging that failed (e.g. a tensor changed before
+        its copy) fails the save on every rank instead."""
+        if staging is None or staging.immediate:
+            self._transport.submit(job)
+            return
+
+        def after_copies() -> None:
+            try:
+                try:
+                    staging.synchronize(self.options.timeout)
+                    todo = job
+                except Exception as e:  # noqa: BLE001 - the save fails on every rank, naming it
+                    todo = SaveSession.fail_staged(job, e)
+                self._transport.submit(todo)
+            except BaseException as e:  # noqa: BLE001 - reported by the handle
+                self._submit_error = e
+
+        threading.Thread(target=after_copies, name="solosave-submit", daemon=True).start()
+
+    def _check_destination(self, path: str | os.PathLike, overwrite: bool) -> str:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        if is_url(path):  # never through pathlib (it would make s3://b/x the local s3:/b/x)
+            return check_url_destination(path, overwrite, self.options.storage_options,  # type: ignore[arg-type]
+                                         self._known_buckets)
+        check_local_path(path)
+        p = Path(path)
+        if any(len(os.fsencode(part)) > 255 for part in p.parts):
+            raise ValueError(f"destination {os.fspath(p)!r} has a name longer than 255 bytes, the "
+                             "file-system limit; choose a shorter name")
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"destination {os.fspath(p)!r} exists and is not a directory")
+        if (p / METADATA_FILE).exists() and not overwrite:
+            raise CheckpointExistsError(
+                f"destination {os.fspath(p)!r} already holds a complete checkpoint; choose a new "
+                "directory or pass overwrite=True (its .metadata is removed before any data is written)")
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create checkpoint directory {os.fspath(p)!r}: {e.strerror}; "
+                             "choose a writable location") from e
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"checkpoint directory {os.fspath(p)!r} is not writable; choose a "
+                             "writable location or fix its permissions")
+        return normalize_directory(p)  # the same string an aborted save would use
+
+    # -- completion -------------------------------------------------------------------------
+    def _pump(self, timeout: float) -> None:
+        """Take at most one outcome from the worker (bounded) and attach it to its handle."""
+        h = self._inflight
+        if h is None or h._outcome is not None:
+            return
+        if self._submit_error is not None:
+            e, self._submit_error = self._submit_error, None
+            outcome = JobOutcome(h.seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED,
+                                 failures={self.rank: f"staging on the device failed: {type(e).__name__}: {e}"})
+        else:
+            outcome = self._transport.poll(timeout)
+        if outcome is None:
+            return
+        if outcome.seq != h.seq:
+            raise RuntimeError(f"internal: outcome for save {outcome.seq}, expected {h.seq}")
+        self._session.absorb(outcome)
+        h._set(outcome)
+
+    def _wait_for(self, handle: SaveHandle, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while handle._outcome is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SaveTimeoutError(
+                    f"save to {handle.path} did not finish within {timeout:.0f} s on rank {self.rank}; "
+                    "another rank may be slow, stuck or dead (its error, if any, is on that rank). "
+                    "Raise `timeout` if saves are legitimately slow.")
+            self._pump(min(left, 1.0))
+
+    def wait_all(self, timeout: float | None = None) -> list[SaveResult]:
+        """Wait for the save in flight; return its result or raise its error."""
+        h = self._inflight
+        if h is None or h._job.abort is not None:
+            return []
+        return [h.wait(timeout)]
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish or abandon the save in flight (bounded), stop the worker, free memory.
+
+        Every rank should call it. It first waits, at most ``timeout`` seconds (default: the
+        checkpointer's ``timeout``), for the save in flight: normally that save **finishes**
+        and is published, and its handle reports the result. If it does not finish in time (a
+        stuck write, a peer that does not answer) the save is **abandoned**: the worker is
+        stopped, nothing more of it is written, and its handle's ``wait()`` raises
+        :class:`~solosave.CheckpointError` saying so; since ``.metadata`` is published last and
+        atomically, the checkpoint is then either complete or has no ``.metadata``; the previous
+        checkpoints are untouched. ``close()`` itself never raises (it logs a warning), takes at
+        most about ``min(timeout, 30) + 10`` seconds beyond the save's wait, and leaves no worker
+        process or staging buffer behind. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        t = self.options.timeout if timeout is None else timeout
+        h = self._inflight
+        try:
+            if h is not None and h._outcome is None:
+                try:
+                    self._wait_for(h, t)
+                except Exception as e:  # noqa: BLE001 - close never raises for a failed save
+                    if not isinstance(e, WorkerDiedError):
+                        log.warning("solosave: closing with an unfinished save to %s: %s", h.path, e)
+            if h is not None and h._error is not None and not h.reported:
+                log.warning("solosave: save to %s failed and was never waited for: %s", h.path, h._error)
+        finally:
+            self._finalizer.detach()
+            try:
+                self._res.release(min(t, 30.0))
+            except Exception as e:  # noqa: BLE001 - close never raises
+                log.warning("solosave: releasing the checkpointer's resources: %s", e)
+            if h is not None and h._outcome is None:
+                self._settle_abandoned(h, t)
+
+    def _settle_abandoned(self, h: SaveHandle, t: float) -> None:
+        late = [o for o in self._transport.leftover if o.seq == h.seq]
+        try:
+            published = path_exists(join(h.path, METADATA_FILE), self.options.storage_options)
+        except Exception:  # noqa: BLE001 - storage unreachable: reported as not published
+            published = False
+        h._set(late[0] if late else JobOutcome(
+            h.seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED, published=published, failures={
+                self.rank: f"abandoned by close(): the save did not finish within {t:g} s "
+                "and this rank's worker was stopped; " + (
+                    f"{METADATA_FILE} exists (the coordinator published it before it was "
+                    "stopped)" if published else f"no {METADATA_FILE} was published")}))
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _check_writer(writer: FileWriter | None, options: CheckpointerOptions) -> FileWriter | None:
+    if writer is not None and not isinstance(writer, FileWriter):
+        raise TypeError(f"writer must be a solosave.FileWriter, got {type(writer).__name__}")
+    if options.persistent_worker and writer is not None and type(writer).__module__ == "__main__":
+        raise ValueError(
+            f"writer class {type(writer).__name__} is defined in the main script, which the "
+            "worker process does not import; define it in an importable module, or pass "
+            "persistent_worker=False")
+    if options.checksums:
+        if writer is None:
+            return FileWriter(checksums=True)
+        if not writer.checksums:
+            raise ValueError("checksums=True with a writer whose checksums are off: construct "
+                             "the writer with checksums=True (FileWriter(checksums=True)) instead")
+    return writer

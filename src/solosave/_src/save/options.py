@@ -1,0 +1,198 @@
+"""Checkpointer options: declared once, here, for the API, the command-line flags and validation.
+
+Each knob is a field of :class:`CheckpointerOptions` whose :func:`option` metadata names its
+Megatron-style flag and help text; ``solosave.integrations.add_checkpoint_args`` generates the
+flags from these fields and :func:`options_from_args` builds the options back, so a knob is
+declared (and validated) in exactly one place. ``__post_init__`` raises :class:`OptionError`
+(a ``ValueError``) naming the option; from the command line the flag is named instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from solosave._src.prepared.prepared import PreparedMetadata
+
+DRIFT_POLICIES = ("fallback", "raise")
+
+
+def option(default: Any, *, flag: str, help: str, metavar: str | None = None,  # noqa: A002 - argparse's name
+           cli_default: Any = dataclasses.MISSING, choices: tuple | None = None,
+           parse: Any = None) -> Any:
+    """A dataclass field with its command-line flag. ``cli_default``: the flag's default when it
+    differs from the API's (Megatron's flags are opt-in); ``parse``: turns the flag's text into
+    the value (default: by the field's type)."""
+    return field(default=default, metadata={"flag": flag, "help": help, "metavar": metavar,
+                                            "cli_default": cli_default, "choices": choices, "parse": parse})
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (``--ckpt-storage-options '{"anon": false}'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+class OptionError(ValueError):
+    """An option has a bad value. ``template`` names options as ``{field}``: the message shows
+    the field names (the API) or, through :func:`options_from_args`, the flags."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self.render(lambda name: name))
+
+    def render(self, name_of: Any) -> str:
+        """The message with every ``{field}`` replaced by ``name_of(field)``."""
+        return self.template.format_map(_Names(name_of))
+
+
+class _Names(dict):
+    def __init__(self, name_of: Any) -> None:
+        super().__init__()
+        self.name_of = name_of
+
+    def __missing__(self, key: str) -> str:
+        return self.name_of(key)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointerOptions:
+    """Options of :class:`~solosave.AsyncCheckpointer`; every field says when to change it."""
+
+    workers: int = option(1, flag="--dist-ckpt-workers", metavar="N", help=(
+        "files (writer threads) per rank: __{rank}_{0..N-1}.distcp (default 1); more helps when "
+        "one writer thread cannot saturate the storage"))
+    persistent_worker: bool = option(True, flag="--use-persistent-ckpt-worker", cli_default=False, help=(
+        "write in one spawned worker process per rank, reused by every save (the API's default); "
+        "without it a background thread of the trainer writes"))
+    prepared_metadata: str | os.PathLike | Metadata | PreparedMetadata | None = option(
+        None, flag="--ckpt-metadata", metavar="FILE|auto", help=(
+            "prepared metadata to reuse: every save then needs one 8-byte all_reduce. 'auto' (flag "
+            "only): the .metadata of the checkpoint resumed from, if it fits this run, else one is "
+            "created at the first save in <save>/prepared.metadata"))
+    create_prepared_metadata: bool = option(False, flag="--ckpt-metadata-create", help=(
+        "create the prepared metadata file at the first save if it does not exist (collective "
+        "path once), then reuse it"))
+    assume_constant_structure: bool = option(False, flag="--ckpt-assume-constant-structure", help=(
+        "without a prepared file: the first save's metadata is kept in memory and every later "
+        "save reuses it (one all_reduce); a changed layout falls back as in reuse mode"))
+    on_layout_drift: str = option("fallback", flag="--ckpt-on-layout-drift", choices=DRIFT_POLICIES, help=(
+        "a reuse save whose layout no longer matches: 'fallback' (default) saves it collectively "
+        "and refreshes the prepared metadata; 'raise' fails it"))
+    timeout: float = option(600.0, flag="--ckpt-timeout", metavar="SECONDS", help=(
+        "bound of every checkpoint wait: the worker's start, a save's completion, each collective "
+        "(default 600)"))
+    checksums: bool = option(False, flag="--ckpt-checksums", help=(
+        "record a CRC32 of every record next to each data file, for `solosave verify` (one CRC "
+        "pass in the background)"))
+    staging_dir: str | None = option(None, flag="--ckpt-staging-dir", metavar="DIR", help=(
+        "stage in memory-mapped files in DIR instead of /dev/shm (also $SOLOSAVE_STAGING_DIR); "
+        "solosave falls back to the temporary directory by itself when /dev/shm is too small"))
+    stage_replicas: bool = option(False, flag="--ckpt-stage-replicas", help=(
+        "reuse mode: stage every replicated tensor this rank holds, not only those the prepared "
+        "layout has it write, so a drift fallback can reassign any of them in the same save (a "
+        "replicated tensor that vanished from its writer still gets saved). Costs up to "
+        "world-size times the stall under DDP; without it that one save fails and the next heals"))
+    overlap_staging: bool = option(False, flag="--ckpt-overlap-staging", help=(
+        "save() returns before the tensors are copied: the copies overlap the next forward/"
+        "backward (a side CUDA stream, or a thread for CPU tensors), and the training loop must "
+        "call handle.wait_staged() before optimizer.step(); a tensor changed in place before "
+        "that fails the save (StagingRaceError). Default: copies done (CPU) or stream-ordered "
+        "(CUDA) when save() returns"))
+    storage_options: dict[str, Any] | None = option(None, flag="--ckpt-storage-options", metavar="JSON",
+                                                    parse=json_object, help=(
+        "URL destinations (s3://bucket/path; pip install 'solosave[s3]'): keyword arguments of the fsspec "
+        "filesystem, e.g. '{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}'; by default "
+        "the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) apply"))
+
+    def __post_init__(self) -> None:
+        _check_storage_options(self)
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise OptionError(f"{{workers}} must be >= 1 (an int: files per rank), got {self.workers!r}")
+        if self.on_layout_drift not in DRIFT_POLICIES:
+            raise OptionError(f"{{on_layout_drift}} must be one of {DRIFT_POLICIES}, got {self.on_layout_drift!r}")
+        if not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool) and self.timeout > 0):
+            raise OptionError(f"{{timeout}} must be a positive number of seconds, got {self.timeout!r}")
+        pm = self.prepared_metadata
+        if pm is not None and not isinstance(pm, (str, os.PathLike, Metadata, PreparedMetadata)):
+            raise TypeError("prepared_metadata must be a path, a torch.distributed.checkpoint "
+                            f"Metadata or a solosave.PreparedMetadata, got {type(pm).__name__}")
+        if self.create_prepared_metadata:
+            if pm is None:
+                raise OptionError("{create_prepared_metadata} needs {prepared_metadata} naming the file to "
+                                  "create (e.g. prepared.metadata)")
+            if isinstance(pm, (Metadata, PreparedMetadata)):
+                raise OptionError("{create_prepared_metadata} needs a file path, not a Metadata object: "
+                                  "pass the path to create, or drop {create_prepared_metadata} to reuse "
+                                  "the object as it is")
+
+    @property
+    def prepared_path(self) -> str | None:
+        """The prepared file named by ``prepared_metadata``, if it is a path."""
+        pm = self.prepared_metadata
+        return os.fspath(pm) if isinstance(pm, (str, os.PathLike)) else None
+
+    @property
+    def makes_prepared(self) -> bool:
+        """The first collective save's metadata becomes the prepared metadata."""
+        return self.create_prepared_metadata or self.assume_constant_structure
+
+
+def _check_storage_options(options: CheckpointerOptions) -> None:
+    """``storage_options`` is a mapping with string keys that pickles (it travels to the worker);
+    kept as a plain dict of its own."""
+    so = options.storage_options
+    if so is None:
+        return
+    if not isinstance(so, Mapping) or not all(isinstance(k, str) for k in so):
+        raise OptionError(f"{{storage_options}} must be a mapping with string keys (keyword arguments of "
+                          f"the fsspec filesystem), got {type(so).__name__}")
+    try:
+        pickle.dumps(dict(so))
+    except Exception as e:  # noqa: BLE001 - any failure: it cannot reach the worker
+        raise OptionError(f"{{storage_options}} must be picklable (it travels to the worker process): {e}") from e
+    object.__setattr__(options, "storage_options", dict(so))
+
+
+def add_option_flags(group: Any, cls: type = CheckpointerOptions) -> None:
+    """Add one flag per field of ``cls`` (an options dataclass declared with :func:`option`)."""
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        default = f.default if meta["cli_default"] is dataclasses.MISSING else meta["cli_default"]
+        if f.type in (bool, "bool"):
+            group.add_argument(meta["flag"], dest=f.name, action="store_true", default=default, help=meta["help"])
+            continue
+        kind = meta.get("parse") or {"int": int, "float": float}.get(str(f.type).split("|")[0].strip())
+        group.add_argument(meta["flag"], dest=f.name, type=kind, default=default, metavar=meta["metavar"],
+                           choices=meta["choices"], help=meta["help"])
+
+
+def flag_of(name: str, cls: type) -> str:
+    """The flag of field ``name`` of the options dataclass ``cls`` (the name if it has none)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata["flag"]
+    return name
+
+
+def options_from_args(args: argparse.Namespace, cls: type = CheckpointerOptions, **overrides: Any) -> Any:
+    """Build ``cls`` from parsed flags; a bad value raises ``ValueError`` naming the flag."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    kw.update(overrides)
+    try:
+        return cls(**kw)
+    except OptionError as e:
+        raise ValueError(e.render(lambda name: flag_of(name, cls))) from e

@@ -1,0 +1,144 @@
+"""The trainer side of a save sequence: plan, choose the mode, stage, number the jobs, and learn
+from their outcomes (calling thread, every rank, no collective, no processes).
+
+:class:`SaveSession` is what ``AsyncCheckpointer.save()`` runs before it hands a job to the
+worker, and what it feeds each outcome back to. It holds the state every rank keeps alike (so
+every rank picks the same mode for the same save): the sequence number, the prepared metadata in
+use and its token. Tests drive it directly, with engines on in-process channels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from solosave._src.coordination.protocol import ItemSpec, JobOutcome, Mode, SaveJob, SaveKind, StagedSave
+from solosave._src.plan.local_plan import LocalPlan
+from solosave._src.plan.structure import StructureCache
+from solosave._src.prepared.prepared import PreparedMetadata
+from solosave._src.save.options import CheckpointerOptions
+from solosave._src.save.staging import Stager, Staging
+from solosave._src.storage.storage import is_url, normalize_url
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltJob:
+    """A job ready for the worker once its staging completes, and how long planning and
+    staging took (in the calling thread)."""
+
+    job: SaveJob
+    staging: Staging
+    plan_s: float
+    stage_s: float
+
+
+class SaveSession:
+    """Builds the save jobs of one checkpointer on one rank (see the module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, options: CheckpointerOptions,
+                 prepared: PreparedMetadata | None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.options = options
+        self.prepared = prepared
+        self.token = 1 if prepared is not None else 0
+        self._sent_token = 0
+        self.seq = 0
+        self.stager = Stager(options.staging_dir)
+        self.structure = StructureCache()
+        #: (specs, token, stage-everything) -> (reuse plan, specs to stage, held tuple): the
+        #: reuse planning of the last structure, redone only when one of them changes.
+        self._reuse_cache: tuple[Any, ...] | None = None
+        #: After a failed fallback: stage every owned item, so the collective path can assign
+        #: any of them (an item whose prepared writer lost it is then written by another holder).
+        self._stage_everything = False
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.REUSE if self.prepared is not None else Mode.COLLECTIVE
+
+    def build(self, state_dict: Mapping[str, Any], directory: str) -> BuiltJob:
+        """Plan and stage ``state_dict`` for a save to ``directory`` and number the job. Raises
+        for bad input before anything is numbered or staged; see :meth:`abort`."""
+        t0 = time.perf_counter()
+        plan = self.structure.plan(state_dict)
+        reuse, to_stage, held = self._plans(plan)
+        t1 = time.perf_counter()
+        staged, staging = self.stager.stage(to_stage, plan.values, overlap=self.options.overlap_staging)
+        t2 = time.perf_counter()
+        return BuiltJob(self._job(directory, plan, staged, reuse, held), staging, t1 - t0, t2 - t1)
+
+    def _plans(self, plan: LocalPlan) -> tuple[Any, list[ItemSpec], tuple[ItemSpec, ...]]:
+        """The reuse plan, the specs to stage and the held specs of ``plan``'s structure (the
+        same objects for every save of an unchanged structure and prepared metadata)."""
+        key = (plan.specs, self.token, self._stage_everything)
+        c = self._reuse_cache
+        if c is not None and c[0] is key[0] and c[1:3] == key[1:]:
+            return c[3]
+        reuse, to_stage = None, plan.owned
+        if self.prepared is not None:
+            reuse, to_stage = self.prepared.plan_reuse(plan, self.rank)
+            if self._stage_everything or self.options.stage_replicas:
+                to_stage = plan.owned
+        out = (reuse, to_stage, tuple(plan.specs))
+        self._reuse_cache = (*key, out)
+        return out
+
+    def _job(self, directory: str, plan: LocalPlan, staged: StagedSave, reuse: Any,
+             held: tuple[ItemSpec, ...]) -> SaveJob:
+        self.seq += 1
+        send = None
+        if self.mode is Mode.REUSE and self._sent_token != self.token:
+            send, self._sent_token = self.prepared, self.token
+        return SaveJob(seq=self.seq, directory=directory, mode=self.mode, staged=staged,
+                       held=held, planner_data=plan.planner_data, reuse=reuse,
+                       make_prepared=self.options.makes_prepared and self.prepared is None,
+                       prepared_token=self.token, prepared=send, submitted_at=time.time())
+
+    @staticmethod
+    def fail_staged(job: SaveJob, error: BaseException) -> SaveJob:
+        """``job`` turned into one that fails this save on every rank (its staging failed on
+        this rank after ``save()`` returned), keeping its number."""
+        return dataclasses.replace(job, staged=StagedSave(None, 0, ()), held=(), reuse=None,
+                                   abort=f"staging failed on this rank: {type(error).__name__}: {error}")
+
+    def abort(self, directory: str, error: BaseException) -> SaveJob:
+        """The job of a save whose ``save()`` raised on this rank: it takes this save's number
+        and fails it on every rank, naming this rank's error, instead of leaving the other ranks
+        waiting for a job that never comes."""
+        self.seq += 1
+        return SaveJob(seq=self.seq, directory=directory, mode=self.mode, staged=StagedSave(None, 0, ()),
+                       make_prepared=self.options.makes_prepared and self.prepared is None,
+                       prepared_token=self.token, abort=f"save() raised on this rank: "
+                       f"{type(error).__name__}: {error}", submitted_at=time.time())
+
+    def absorb(self, outcome: JobOutcome) -> None:
+        """Learn from a finished save (every rank receives the same ``ok`` and metadata)."""
+        if outcome.ok:
+            self.stager.buffer_delivered()
+            self._stage_everything = False
+            if outcome.prepared_metadata is not None:
+                # a reference to the prepared file (or, in memory, the sections themselves): this
+                # rank reads only its own section, at its next reuse plan
+                self.prepared = outcome.prepared_metadata
+                self.token += 1
+        elif outcome.kind is SaveKind.FALLBACK:
+            self._stage_everything = True
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+def normalize_directory(path: Any) -> str:
+    """The directory string every rank derives alike from the ``path`` it was given (a URL as
+    itself, without trailing slashes: never through ``pathlib``)."""
+    if is_url(path):
+        return normalize_url(path)
+    if isinstance(path, (str, os.PathLike)):
+        return os.fspath(Path(path))
+    return repr(path)

@@ -1,0 +1,14 @@
+"""The worker process's entry point: ``python -m solosave._src.save.worker_entry <fd> <trainer pid>``.
+
+Started only by :class:`solosave._src.save.worker.ProcessTransport`; ``fd`` is its end of the duplex
+pipe to the trainer. A module of its own, so that ``-m`` does not execute a module that the
+package has already imported.
+"""
+
+import sys
+from multiprocessing.connection import Connection
+
+from solosave._src.save.worker import worker_main
+
+if __name__ == "__main__":
+    worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]))

@@ -1,0 +1,1 @@
+"""Tools over published checkpoints: verify, export, retention."""

@@ -1,0 +1,259 @@
+"""Checking a published checkpoint against its ``.metadata`` (``solosave verify``, and
+:func:`solosave.load` before it reads any value).
+
+One process, no collective. What is checked, in order:
+
+1. ``.metadata`` is readable (allowlisted unpickling) and every tensor chunk / bytes item it
+   declares has exactly one storage entry;
+2. every byte range ``(file, offset, length)`` it names lies inside an existing data file;
+3. if the data files have checksum sidecars (``AsyncCheckpointer(checksums=True)``): the CRC32
+   of every range equals the recorded one;
+4. optionally, a prepared-metadata file places every item exactly where this checkpoint has it;
+5. a load index (``.solosave-index``, local checkpoints) holds exactly the entries of
+   ``.metadata``: one that belongs to another ``.metadata`` is reported as stale (loads ignore
+   it), one that belongs to this one but differs or is damaged is a problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from solosave._src.core.checksum import crc32
+from solosave._src.core.errors import PreparedMetadataError
+from solosave._src.formats.dcp import (
+    CHECKSUM_FORMAT,
+    CHECKSUM_SUFFIX,
+    INDEX_FILE,
+    METADATA_FILE,
+    check_ranges,
+    checksum_path,
+    confined_path,
+    index_key,
+    ranges_by_file,
+)
+from solosave._src.index.reader import IndexStale, IndexUnusable, LoadIndex
+from solosave._src.load.load import parse_metadata, read_metadata_bytes
+from solosave._src.plan.layout import check_results_cover
+from solosave._src.prepared.prepared import infer_world_workers, load_prepared_metadata
+from solosave._src.storage.storage import LOCAL, is_url, normalize_url, read_checkpoint_metadata, storage_for
+
+_READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """The findings of :func:`verify_checkpoint`; ``ok`` when ``problems`` is empty."""
+
+    path: str
+    items: int
+    records: int
+    files: dict[str, int]
+    #: "verified" (every record has a matching CRC32), "absent" (no sidecars), "partial".
+    checksums: str
+    checksummed_records: int
+    #: None (not asked), "matches" or "differs".
+    prepared: str | None
+    problems: tuple[str, ...] = field(default_factory=tuple)
+    #: The load index: None (none, or a URL), "matches", "stale", "differs" or "damaged".
+    index: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "ok": self.ok, "items": self.items, "records": self.records,
+                "files": self.files, "checksums": self.checksums,
+                "checksummed_records": self.checksummed_records, "prepared": self.prepared,
+                "index": self.index, "problems": list(self.problems)}
+
+
+def check_files_tiled(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
+                      storage: Any = LOCAL) -> list[str]:
+    """The records of each data file follow each other from offset 0 to its end, as every
+    FileSystemWriter-style saver writes them: a ``.metadata`` of another layout (a prepared
+    file copied over a checkpoint's own) shows up as a gap, an overlap or a wrong end."""
+    problems = []
+    for rel in sorted(per_file, key=str):
+        path = confined_path(directory, rel)
+        if path is None or not storage.exists(path):
+            continue  # reported by check_ranges
+        pos = 0
+        for off, n, name in sorted(per_file[rel]):
+            if off != pos:
+                problems.append(f"{rel}: {name} starts at {off}, but the records before it end at "
+                                f"{pos}: .metadata does not describe this file")
+                break
+            pos = off + n
+        else:
+            size = storage.size(path)
+            if pos != size:
+                problems.append(f"{rel}: its records end at {pos} but the file has {size} bytes: "
+                                ".metadata does not describe this file")
+    return problems
+
+
+def _read_metadata(directory: str, storage_options: Mapping[str, Any] | None) -> Metadata:
+    if is_url(directory):
+        try:
+            return parse_metadata(read_checkpoint_metadata(directory, storage_options), directory)
+        except FileNotFoundError:
+            raise PreparedMetadataError(f"{directory}: no such checkpoint directory") from None
+    if not os.path.isdir(directory):
+        raise PreparedMetadataError(f"{directory}: no such checkpoint directory")
+    return parse_metadata(read_metadata_bytes(directory), directory)  # allowlisted, clear errors
+
+
+def _read_sidecar(sidecar: str, storage: Any) -> dict[tuple[int, int], int]:
+    doc = json.loads(storage.read(sidecar))
+    if not isinstance(doc, dict):
+        raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+    if doc.get("format") != CHECKSUM_FORMAT:
+        raise ValueError(f"unknown format {doc.get('format')!r}")
+    return {(int(r["offset"]), int(r["length"])): int(r["crc32"]) for r in doc["records"]}
+
+
+def _crc_of_range(f: Any, off: int, n: int, progress: Callable[[int, int], None] | None,
+                  total: int) -> int | None:
+    """CRC32 of ``n`` bytes at ``off`` of ``f``; ``None`` if the file ends first."""
+    f.seek(off)
+    crc, left = 0, n
+    while left > 0:
+        buf = f.read(min(_READ_CHUNK, left))
+        if not buf:
+            return None
+        crc = crc32(buf, crc)
+        left -= len(buf)
+        if progress is not None:
+            progress(len(buf), total)
+    return crc
+
+
+def _checksums(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
+               progress: Callable[[int, int], None] | None, storage: Any = LOCAL) -> tuple[str, int, list[str]]:
+    problems: list[str] = []
+    checked = 0
+    files = [rel for rel in sorted(per_file, key=str) if confined_path(directory, rel) is not None
+             and storage.exists(checksum_path(os.path.join(directory, rel)))]
+    total = sum(n for rel in files for _, n, _ in per_file[rel])
+    for rel in files:
+        data_path = os.path.join(directory, rel)
+        try:
+            recorded = _read_sidecar(checksum_path(data_path), storage)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            problems.append(f"{rel}{CHECKSUM_SUFFIX}: unreadable checksum file ({e})")
+            continue
+        if not storage.exists(data_path):
+            continue  # reported by check_ranges
+        with storage.open_read(data_path) as f:
+            for off, n, name in sorted(per_file[rel]):
+                want = recorded.get((off, n))
+                if want is None:
+                    problems.append(f"{rel}: no checksum recorded for {name} at {off}+{n}")
+                    continue
+                crc = _crc_of_range(f, off, n, progress, total)
+                if crc is None:
+                    continue  # truncated: reported by check_ranges
+                checked += 1
+                if crc != want:
+                    problems.append(f"{rel}: checksum mismatch for {name} at {off}+{n} "
+                                    f"(crc32 {crc:08x}, recorded {want:08x})")
+    status = "absent" if not files else ("verified" if len(files) == len(per_file) else "partial")
+    return status, checked, problems
+
+
+def compare_with_prepared(md: Metadata, prepared_path: str | os.PathLike,
+                          storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Differences between a checkpoint's metadata and a prepared file's layout (empty: same)."""
+    prepared = load_prepared_metadata(prepared_path, storage_options=storage_options)
+    pm = prepared.metadata
+    problems: list[str] = []
+    ranks, files = infer_world_workers(md)
+    fp = prepared.fingerprint
+    if fp.world_size is not None and fp.world_size < ranks:
+        problems.append(f"prepared: made for world_size={fp.world_size}, the checkpoint has files "
+                        f"of {ranks} ranks")
+    if fp.workers is not None and fp.workers < files:
+        problems.append(f"prepared: made for workers={fp.workers}, the checkpoint has {files} files per rank")
+    a, b = md.state_dict_metadata, pm.state_dict_metadata
+    for fqn in sorted(a.keys() - b.keys()):
+        problems.append(f"prepared: {fqn} is in the checkpoint but not in the prepared metadata")
+    for fqn in sorted(b.keys() - a.keys()):
+        problems.append(f"prepared: {fqn} is in the prepared metadata but not in the checkpoint")
+    for fqn in sorted(a.keys() & b.keys()):
+        if a[fqn] != b[fqn]:
+            problems.append(f"prepared: {fqn} has another shape, dtype or chunking")
+    sa = {index_key(k): (v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
+    sb = {index_key(k): (v.relative_path, v.offset, v.length) for k, v in pm.storage_data.items()}
+    moved = sorted((k for k in sa.keys() & sb.keys() if sa[k] != sb[k]), key=lambda k: (k[0], k[1] or ()))
+    for k in moved[:20]:
+        problems.append(f"prepared: {k[0]} is at {sa[k]} in the checkpoint, {sb[k]} in the prepared file")
+    if len(moved) > 20:
+        problems.append(f"prepared: ... and {len(moved) - 20} more records placed differently")
+    return problems
+
+
+def check_index(directory: str, md: Metadata) -> tuple[str | None, list[str]]:
+    """Step 5: the load index's status and its problems."""
+    if is_url(directory):
+        return None, []
+    try:
+        idx = LoadIndex.open(directory)
+        if idx is None:
+            return None, []
+        with idx:
+            got = idx.metadata_for({k: None for k in md.state_dict_metadata})
+    except IndexStale:
+        return "stale", []
+    except IndexUnusable as e:
+        return "damaged", [f"load index: {e} (loads read {METADATA_FILE} instead)"]
+    diffs = sorted(k for k in md.state_dict_metadata if got.state_dict_metadata.get(k) != md.state_dict_metadata[k])
+    if got.storage_data != md.storage_data or (got.planner_data or {}) != (md.planner_data or {}):
+        diffs = diffs or ["(storage entries or flattening paths)"]
+    if not diffs:
+        return "matches", []
+    return "differs", [f"load index: {len(diffs)} key(s) differ from {METADATA_FILE}: {', '.join(diffs[:5])}; "
+                       f"delete {INDEX_FILE} (loads then read {METADATA_FILE})"]
+
+
+def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | None = None,
+                      checksums: bool = True,
+                      progress: Callable[[int, int], None] | None = None,
+                      storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
+    """Check the checkpoint directory ``path`` (a local path or a URL; ``storage_options``:
+    keyword arguments of its fsspec filesystem; see the module docstring). Raises
+    :class:`~solosave.PreparedMetadataError` if there is no readable ``.metadata``; every other
+    finding is a line in the report's ``problems``. ``progress(n, total)`` is called with each
+    block of bytes read while checking checksums and the total those reads add up to."""
+    directory = normalize_url(path) if is_url(path) else os.fspath(path)  # type: ignore[arg-type]
+    storage = storage_for(directory, storage_options)
+    md = _read_metadata(directory, storage_options)
+    results = [(index_key(k), v.relative_path, int(v.offset), int(v.length)) for k, v in md.storage_data.items()]
+    problems = check_results_cover(md.state_dict_metadata, results)
+    problems += check_ranges(directory, md.storage_data, size_of=storage.size)
+    problems += check_files_tiled(directory, ranges_by_file(md.storage_data), storage)
+    per_file = ranges_by_file(md.storage_data)
+    status, checked = "absent", 0
+    if checksums:
+        status, checked, crc_problems = _checksums(directory, per_file, progress, storage)
+        problems += crc_problems
+    prepared_status = None
+    if prepared is not None:
+        diffs = compare_with_prepared(md, prepared, storage_options)
+        prepared_status = "differs" if diffs else "matches"
+        problems += diffs
+    index_status, index_problems = check_index(directory, md)
+    problems += index_problems
+    files = {rel: max(off + n for off, n, _ in rs) for rel, rs in sorted(per_file.items())}
+    return VerifyReport(directory, len(md.state_dict_metadata), len(results), files, status, checked,
+                        prepared_status, tuple(problems), index_status)
+
+
+__all__ = ["VerifyReport", "check_files_tiled", "check_index", "compare_with_prepared",
+           "verify_checkpoint"]

@@ -1,0 +1,145 @@
+"""Rank functions and trainer scripts for the lifecycle tests (module-level: spawned processes
+import them). Each returns plain data for the test to check."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+
+import solosave
+from tests.faults.fault_fns import SETUP_WAIT, sd_at, set_step, shm_segments
+from tests.support import fresh, wait_until, zeros_like
+
+
+def _error_type(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+def resave_same_path(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """Reuse saves c0, c1; then c1 again without and with overwrite, right after wait()."""
+    fresh(root)
+    sd = sd_at(rank, 0)
+    out: dict = {}
+    with solosave.AsyncCheckpointer(prepared_metadata=f"{root}/prep.md", create_prepared_metadata=True,
+                                    timeout=timeout) as ck:
+        ck.save(sd, f"{root}/c0").wait(SETUP_WAIT)
+        set_step(sd, rank, 1)
+        r1 = ck.save(sd, f"{root}/c1").wait(timeout)
+        out["published_c1"] = r1.published
+        set_step(sd, rank, 2)
+        # at once, no barrier: every rank must see c1 published and refuse
+        out["again"] = _error_type(lambda: ck.save(sd, f"{root}/c1"))
+        r2 = ck.save(sd, f"{root}/c1", overwrite=True).wait(timeout)
+        out["overwrite"] = (r2.mode, r2.published)
+    return out
+
+
+def prepared_is_a_checkpoint(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """A later job reuses c0's own .metadata as its prepared metadata, then its layout drifts."""
+    fresh(root)
+    sd = sd_at(rank, 0)
+    with solosave.AsyncCheckpointer(timeout=timeout) as ck:
+        ck.save(sd, f"{root}/c0").wait(SETUP_WAIT)
+    dist.barrier()
+    before = open(f"{root}/c0/.metadata", "rb").read()
+    sd["tag"] = "x" * 5000  # a BYTES item outgrows its slot: the layout drifts
+    with solosave.AsyncCheckpointer(prepared_metadata=f"{root}/c0/.metadata", timeout=timeout) as ck:
+        r = ck.save(sd, f"{root}/c1").wait(SETUP_WAIT)
+        r2 = ck.save(sd, f"{root}/c2").wait(timeout)
+    dist.barrier()
+    return {"modes": [r.mode, r2.mode], "unchanged": open(f"{root}/c0/.metadata", "rb").read() == before,
+            "warnings": list(r.warnings)}
+
+
+def dropped_checkpointer(rank: int, ws: int, root: str, timeout: float, persistent: bool) -> dict:
+    """A checkpointer dropped without close(): its segment and worker go with it."""
+    fresh(root)
+    mine = f"solosave_{os.getpid()}_"
+
+    def make_and_drop(name: str) -> int:
+        ck = solosave.AsyncCheckpointer(timeout=timeout, persistent_worker=persistent)
+        ck.save(sd_at(rank, 0), f"{root}/{name}").wait(SETUP_WAIT)
+        pid = ck.worker_pid
+        assert any(s.startswith(mine) for s in shm_segments())
+        del ck
+        gc.collect()
+        return pid
+
+    pid = make_and_drop("a")
+    gone = wait_until(lambda: not any(s.startswith(mine) for s in shm_segments()), 10)
+    worker_gone = (not persistent) or wait_until(lambda: not os.path.exists(f"/proc/{pid}/cmdline")
+                                                 or b"_worker_entry" not in open(f"/proc/{pid}/cmdline", "rb").read(), 10)
+    dist.barrier()
+    return {"segment_gone": gone, "worker_gone": worker_gone}
+
+
+def store_address(rank: int, ws: int, root: str) -> str | None:
+    with solosave.AsyncCheckpointer(timeout=60) as ck:
+        server = ck._res.store  # test-only look inside: rank 0's store and its socket
+        return server[1].getsockname()[0] if server is not None else None
+
+
+def load_resave(rank: int, ws: int, root: str) -> bool:
+    """The checkpoint of step 2 loads with both loaders and holds step 2's values (c1 re-saved)."""
+    want = sd_at(rank, 2)
+    got = zeros_like(want)
+    solosave.load(got, f"{root}/c1")
+    return all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"]) and got["step"] == 2
+
+
+# -- trainer scripts (one process, world size 1, run with `python -c`) ----------------------------
+
+TRAINER_PREAMBLE = """
+import os, sys, time, signal, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+import solosave
+"""
+
+EXIT_RIGHT_AWAY = TRAINER_PREAMBLE + """
+ck = solosave.AsyncCheckpointer(timeout=900)
+print("WORKER", ck.worker_pid, flush=True)
+os._exit(0)   # dies without close(), a second after creating the checkpointer
+"""
+
+FINAL_SAVE_ON_SIGTERM = TRAINER_PREAMBLE + """
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+ck = solosave.AsyncCheckpointer(timeout=120)
+sd = {{"w": torch.zeros(1000), "step": 0}}
+ck.save(sd, {root!r} + "/c0").wait(120)
+print("READY", ck.worker_pid, flush=True)
+step = 0
+while not stop:
+    step += 1
+    sd["w"].add_(1.0); sd["step"] = step
+    time.sleep(0.01)
+r = ck.save(sd, {root!r} + "/final").wait(120)   # the final save from the signal's aftermath
+print("FINAL", r.mode, r.published, step, flush=True)
+ck.close()
+"""
+
+SAVE_BIG = TRAINER_PREAMBLE + """
+import logging, warnings
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+ck = solosave.AsyncCheckpointer(timeout=300)
+sd = {{"w": torch.arange(64 << 20, dtype=torch.float32)}}   # 256 MiB
+r = ck.save(sd, {root!r} + "/big").wait(300)
+ck.close()
+out = {{"w": torch.zeros(64 << 20)}}
+solosave.load(out, {root!r} + "/big")
+print("LOADED", r.published, bool(torch.equal(out["w"], sd["w"])), flush=True)
+"""
+
+KILLED_AFTER_SAVE = TRAINER_PREAMBLE + """
+ck = solosave.AsyncCheckpointer(timeout=120, persistent_worker={persistent})
+ck.save({{"w": torch.ones(1 << 20)}}, {root!r} + "/c0").wait(120)
+print("SAVED", os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""

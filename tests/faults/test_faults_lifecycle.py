@@ -1,0 +1,149 @@
+"""Lifecycles, interleavings and machines (reliability round 2, and the worker on real machines):
+re-saves to the same path, a checkpoint's own .metadata as prepared file, dropped checkpointers,
+the store's address, a trainer that dies at once, a final save from a SIGTERM handler, and a
+/dev/shm too small for the staging buffer. Each test logs rows for docs/reliability.md."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.faults import lifecycle_fns as L
+from tests.support import can_mount_private_tmpfs, free_port, run_ranks, wait_until
+
+TIMEOUT = 20.0
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"_worker_entry" in f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _script(template, tmp_path):
+    return template.format(port=free_port(), root=str(tmp_path))
+
+
+@pytest.mark.timeout(200)
+def test_resave_to_the_same_path_right_after_wait(tmp_path, case_log):
+    t0 = time.monotonic()
+    outs = run_ranks(L.resave_same_path, 2, str(tmp_path), TIMEOUT, timeout=180)
+    for o in outs:
+        assert o["published_c1"] is True  # known on every rank, not only the coordinator
+        assert o["again"][0] == "CheckpointExistsError", o["again"]
+        assert o["overwrite"] == ("reuse", True)
+    assert run_ranks(L.load_resave, 2, str(tmp_path)) == [True, True]
+    case_log("re-save to the directory of the save just waited for (reuse, ws=2)",
+             "published=True on every rank; without overwrite every rank's save() raises "
+             "CheckpointExistsError; with overwrite=True the checkpoint holds exactly the second save "
+             "(loads, every rank's tensors of step 2)", time.monotonic() - t0)
+
+
+@pytest.mark.timeout(200)
+def test_a_checkpoints_own_metadata_as_prepared_file_is_never_overwritten(tmp_path, case_log):
+    t0 = time.monotonic()
+    outs = run_ranks(L.prepared_is_a_checkpoint, 2, str(tmp_path), TIMEOUT, timeout=180)
+    for o in outs:
+        assert o["unchanged"], "a refresh wrote into a checkpoint"
+        assert o["modes"] == ["reuse+fallback", "reuse"], o["modes"]
+    from tests.faults.fault_fns import check_loads  # one process: both loaders
+
+    check_loads(str(tmp_path / "c0"), 2, 0)
+    case_log("prepared_metadata is a checkpoint's own .metadata, then a layout drift (ws=2)",
+             "the drifted save fell back and published; the refreshed layout is kept in memory (the next "
+             "save reuses it); c0's .metadata is byte-identical and c0 loads with both loaders",
+             time.monotonic() - t0)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_dropped_checkpointer_leaves_no_segment_or_worker(tmp_path, case_log, persistent):
+    t0 = time.monotonic()
+    outs = run_ranks(L.dropped_checkpointer, 2, str(tmp_path), TIMEOUT, persistent, timeout=180)
+    assert all(o["segment_gone"] and o["worker_gone"] for o in outs), outs
+    case_log(f"AsyncCheckpointer dropped without close() ({'process' if persistent else 'thread'} mode, ws=2)",
+             "its staging segment is unlinked and its worker stopped when it is garbage-collected",
+             time.monotonic() - t0)
+
+
+@pytest.mark.timeout(120)
+def test_the_store_listens_on_the_training_address_only(tmp_path):
+    hosts = run_ranks(L.store_address, 2, str(tmp_path))
+    assert hosts == ["127.0.0.1", None]
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_that_exits_at_once_leaves_no_worker(tmp_path, case_log):
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _script(L.EXIT_RIGHT_AWAY, tmp_path)],
+                       capture_output=True, text=True, timeout=60)  # a worker holding stdout would hang this
+    waited = time.monotonic() - t0
+    pid = int(r.stdout.split("WORKER")[1].split()[0])
+    assert wait_until(lambda: not _alive(pid), 1.0), "the worker outlived its trainer by more than 1 s"
+    case_log("trainer exits (os._exit) right after creating the checkpointer",
+             f"subprocess.run(capture_output=True) returned after {waited:.1f} s (the worker released "
+             "the trainer's stdout); the worker was gone within 1 s", waited)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_final_save_after_a_signal_to_the_whole_process_group(tmp_path, case_log, sig):
+    t0 = time.monotonic()
+    code = _script(L.FINAL_SAVE_ON_SIGTERM, tmp_path).replace("signal.SIGTERM", f"signal.{sig.name}")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)  # its own process group, like a job under a scheduler
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("READY"), line
+        worker = int(line.split()[1])
+        os.killpg(p.pid, sig)  # what Ctrl-C or a scheduler does: the whole group
+        out, _ = p.communicate(timeout=150)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out
+    final = [ln for ln in out.splitlines() if ln.startswith("FINAL")]
+    assert final and final[0].split()[2] == "True", out  # FINAL <mode> <published> <step>
+    assert wait_until(lambda: not _alive(worker), 5.0)
+    assert (tmp_path / "final" / ".metadata").exists()
+    case_log(f"{sig.name} to the trainer's whole process group; the handler asks for a final save",
+             "the worker ignored the signal; the final save published and the trainer exited 0",
+             time.monotonic() - t0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not can_mount_private_tmpfs(), reason="needs root and unshare for a private 64 MiB /dev/shm")
+def test_a_dev_shm_too_small_falls_back_to_a_file_with_a_warning(tmp_path, case_log):
+    t0 = time.monotonic()
+    code = _script(L.SAVE_BIG, tmp_path)
+    r = subprocess.run(["unshare", "-m", "sh", "-c",
+                        f'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -c "$CODE"'],
+                       env=dict(os.environ, CODE=code), capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout + r.stderr  # before: killed by SIGBUS (-7)
+    assert "LOADED True True" in r.stdout, r.stdout + r.stderr
+    assert "--shm-size" in r.stdout + r.stderr
+    case_log("Docker-sized /dev/shm (64 MiB tmpfs), 256 MiB staged on one rank",
+             "no SIGBUS: the reservation failed cleanly, one warning naming --shm-size / --ipc=host, "
+             "staged in a file under the temporary directory; published and loads bit-exact",
+             time.monotonic() - t0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_sigkilled_trainer_leaves_no_segment(tmp_path, case_log, persistent):
+    code = _script(L.KILLED_AFTER_SAVE.replace("{persistent}", str(persistent)), tmp_path)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+    pid = int(r.stdout.split("SAVED")[1].split()[0])
+
+    def left():
+        return [n for n in os.listdir("/dev/shm") if n.startswith(f"solosave_{pid}_")]
+
+    assert wait_until(lambda: not left(), 10.0), left()  # the trainer's resource tracker unlinked it
+    case_log(f"trainer SIGKILLed after a save ({'process' if persistent else 'thread'} mode)",
+             "its staging segment was unlinked by its resource tracker within seconds")
