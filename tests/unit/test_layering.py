@@ -1,4 +1,4 @@
-"""The layering rule of ``src/solosave`` (README, "How the code is laid out"), checked on the
+"""The layering rule of ``src/solosave`` (docs/design.md, "How the code is laid out"), checked on the
 imports themselves (parsed, every ``import`` anywhere in a module, ``TYPE_CHECKING`` ones too):
 
 * a module of ``_src/<folder>/`` imports only from its own folder or from folders below it;
