@@ -92,11 +92,10 @@ def run_collective(channel: Channel, settings: EngineSettings, io: RankIO, job: 
     and ``drifts``: a reuse fallback's results already written and why the layout drifted.
     Returns this rank's outcome and, on the coordinator of a save that made or refreshed the
     prepared metadata, the template it published."""
-    ch = channel
     request = plan_request(job, prewritten, drifts)
-    requests = ch.gather_object(request)
-    decisions, plan = decide(job, requests, ch.coordinator) if ch.is_coordinator else (None, None)
-    mine: PlanDecision = ch.scatter_object(decisions)
+    requests = channel.gather_object(request)
+    decisions, plan = decide(job, requests, channel.coordinator) if channel.is_coordinator else (None, None)
+    mine: PlanDecision = channel.scatter_object(decisions)
     kind = SaveKind.FALLBACK if job.mode is Mode.REUSE else (
         SaveKind.CREATE if job.make_prepared else SaveKind.COLLECTIVE)
     if mine.verdict is Verdict.OUT_OF_STEP:
@@ -104,9 +103,9 @@ def run_collective(channel: Channel, settings: EngineSettings, io: RankIO, job: 
     if mine.verdict is Verdict.ERROR:
         return JobOutcome(job.seq, False, kind, ErrorKind.FAILED, failures=dict(mine.failures)), None
     report = write_assigned(job, mine, request.prewritten, settings.workers, io, timings)
-    reports = ch.gather_object(report)
-    done = finish(job, plan, reports, settings, io, timings) if ch.is_coordinator else None  # type: ignore[arg-type]
-    notice: FinishNotice = ch.broadcast_object(done.notice if done is not None else None)
+    reports = channel.gather_object(report)
+    done = finish(job, plan, reports, settings, io, timings) if channel.is_coordinator else None  # type: ignore[arg-type]
+    notice: FinishNotice = channel.broadcast_object(done.notice if done is not None else None)
     ok = not notice.failures
     warnings: tuple[str, ...] = ()
     if ok and kind is SaveKind.FALLBACK:
