@@ -26,8 +26,8 @@ two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1
   the channel pickles it; the coordinator's unpickling, ``decide`` (lock-step check and
   ``_global_plan.global_plan``: merge, chunk tiling, writer assignment, DCP's
   ``state_dict_metadata``), pickling the scattered ``PlanDecision`` s, unpickling the
-  ``WriteReport`` s (``bucket_items`` layout, as ``write_assigned`` makes it), ``finish`` on a real
-  coordinator ``Engine`` (over an in-process channel, which ``finish`` does not use): results
+  ``WriteReport`` s (``bucket_items`` layout, as ``write_assigned`` makes it), ``finish`` with the
+  coordinator's real ``RankIO`` (``finish`` calls no collective): results
   cover the plan, ``Metadata``, ``MetadataTemplate``, the prepared file, the load index written
   (fsync), atomic ``.metadata`` write with fsync; and pickling the ``FinishNotice`` broadcast, which carries the metadata now
   prepared to every rank (the coordinator total includes pickling it, as DCP's includes pickling
@@ -206,16 +206,14 @@ def solosave_results(specs: list, rank: int, workers: int) -> list:
     return results
 
 
-def coordinator_engine(world: int, workers: int, prepared_path: str | None = None) -> Any:
-    """The coordinator's real ``Engine`` (rank 0 of ``world`` in-process channels; ``finish``
-    calls no collective, so the other ranks' channels are never used)."""
+def coordinator_io(workers: int, prepared_path: str | None = None) -> tuple[Any, Any]:
+    """The coordinator's engine settings and its real ``RankIO`` (rank 0), what ``finish`` and
+    ``write_assigned`` take (neither calls a collective)."""
     from solosave._src.coordination.protocol import EngineSettings
-    from solosave._src.save.engine import Engine
+    from solosave._src.save.rank_io import RankIO
     from solosave._src.save.writer import FileWriter
-    from solosave._src.testing.local_channel import local_channels
 
-    return Engine(local_channels(world)[0], EngineSettings(workers=workers, prepared_path=prepared_path),
-                  FileWriter(fsync=True))
+    return EngineSettings(workers=workers, prepared_path=prepared_path), RankIO(0, FileWriter(fsync=True))
 
 
 def simulate_solosave(structure: list, world: int, workers: int, directory: str) -> Json:
@@ -248,7 +246,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
                            f"gathered, {out['plan_bytes_gathered_old_form']} in the old form")
 
     prepared_path = os.path.join(directory, f"prepared_w{world}.metadata")
-    engine = coordinator_engine(world, workers, prepared_path)
+    settings, io = coordinator_io(workers, prepared_path)
     requests, out["t_unpickle_plans"] = _timed(lambda: [pickle.loads(b) for b in plan_payloads])
     plan_payloads = None  # free it (a large object)
     (decisions, plan), out["t_global_plan"] = _timed(lambda: decide(coord_job, requests, 0))
@@ -291,22 +289,22 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     # plan, builds the Metadata and its template, writes the sectioned prepared file from them,
     # publishes ``.metadata`` (fsync) and returns the notice that carries a reference to the
     # prepared file to every rank (each reads its own section, as at start-up: measure_startup).
-    notice, out["t_finish_publish"] = _timed(
-        lambda: finish(engine, coord_job, plan, reports, defaultdict(float)))
+    finished, out["t_finish_publish"] = _timed(
+        lambda: finish(coord_job, plan, reports, settings, io, defaultdict(float)))
+    notice, made = finished.notice, finished.made
     if notice.failures or not notice.published or notice.prepared is None:
         raise RuntimeError(f"solosave finish failed at W={world}: {notice.failures}")
-    made = engine.made_template
     if made is None:
         raise RuntimeError(f"the create save kept no template at W={world}")
     # The broadcast of that notice: pickled once by the coordinator, unpickled by every rank.
     bcast, out["t_broadcast_pickle"] = _timed(lambda: _dumps(notice))
     out["broadcast_bytes"] = len(bcast)
     writes = plan.writes
-    reports = plan = sdm = notice = None  # free it (a large object)
+    reports = plan = sdm = notice = finished = None  # free it (a large object)
     _, out["t_broadcast_unpickle"] = _timed(lambda: pickle.loads(bcast))
     bcast = None  # free it (a large object)
-    engine.close()
-    engine = None  # free it (a large object)
+    io.close()
+    io = None  # free it (a large object)
     gc.collect()
     out["coordinator_total_s"] = (out["t_unpickle_plans"] + out["t_global_plan"] + out["t_scatter_pickle"]
                                   + out["t_unpickle_results"] + out["t_finish_publish"]
@@ -343,7 +341,7 @@ def measure_fallback(out: Json, structure: list, world: int, workers: int, ckpt:
         payloads.append(_dumps(plan_request(job, kept, ["model.norm.weight: drifted"] if r == world - 1 else [])))
         if r == 0:
             coord_job = job
-    engine = coordinator_engine(world, workers, prepared_path)
+    settings, io = coordinator_io(workers, prepared_path)
     requests, t_plans = _timed(lambda: [pickle.loads(b) for b in payloads])
     payloads = None  # free it (a large object)
     (decisions, plan), t_decide = _timed(lambda: decide(coord_job, requests, 0))
@@ -355,14 +353,15 @@ def measure_fallback(out: Json, structure: list, world: int, workers: int, ckpt:
         kept = solosave_results([held[i] for i in writes[r]], r, workers)
         job = solosave_job(held, ckpt, seq=2, reuse=True)
         kept_columns = written_columns([s.key for s in held], kept)
-        reports.append(_dumps(write_assigned(engine, job, decisions[r], kept_columns, defaultdict(float))))
+        reports.append(_dumps(write_assigned(job, decisions[r], kept_columns, workers, io, defaultdict(float))))
     decisions = None  # free it (a large object)
     got, t_reports = _timed(lambda: [pickle.loads(b) for b in reports])
     reports = None  # free it (a large object)
-    notice, t_finish = _timed(lambda: finish(engine, coord_job, plan, got, defaultdict(float)))
+    finished, t_finish = _timed(lambda: finish(coord_job, plan, got, settings, io, defaultdict(float)))
+    notice = finished.notice
     if notice.failures or not notice.published or notice.prepared is None:
         raise RuntimeError(f"the drift fallback failed at W={world}: {notice.failures}")
-    engine.close()
+    io.close()
     out["fallback_t_unpickle_plans"], out["fallback_t_global_plan"] = t_plans, t_decide
     out["fallback_t_unpickle_results"], out["fallback_t_finish_publish"] = t_reports, t_finish
     out["fallback_save_s"] = t_plans + t_decide + t_reports + t_finish
@@ -446,7 +445,7 @@ def measure_startup(out: Json, world: int, workers: int, prepared_path: str, mad
     tpl, out["t_template_once"] = _timed(lambda: coord.template)
     out["coordinator_startup_read_bytes"] = coord.bytes_read
     adopted, out["t_template_after_create"] = _timed(
-        lambda: load_prepared_metadata(prepared_path).adopt_template(*made))
+        lambda: load_prepared_metadata(prepared_path).adopt_template(made.save_id, made.template, made.index_body))
     if not adopted:
         raise RuntimeError(f"the create save's template was not adopted at W={world}")
     reuse_dir = prepared_path + ".reuse"
@@ -455,7 +454,7 @@ def measure_startup(out: Json, world: int, workers: int, prepared_path: str, mad
     out["coordinator_index_read_bytes"] = coord.bytes_read - out["coordinator_startup_read_bytes"]
 
     # Per reuse save the coordinator writes the load index on a thread while it writes its data
-    # (Engine._index_beside), then, after the all_reduce, publishes .metadata: both timed apart.
+    # (save/reuse: the coordinator's Ahead thread), then, after the all_reduce, publishes .metadata: both timed apart.
     pubs, idx_writes = [], []
     for _ in range(3):
         save_id = str(uuid.uuid4())

@@ -85,6 +85,7 @@ def _saves(ck, sd: dict, root: str, tag: str, out: dict, rank: int) -> list:
 
 def _rank(rank: int, world: int, port: int, backend: str, root: str, out: dict) -> None:
     import solosave
+    from solosave._src.testing.introspect import worker_pid
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -95,7 +96,7 @@ def _rank(rank: int, world: int, port: int, backend: str, root: str, out: dict) 
         with solosave.AsyncCheckpointer(prepared_metadata=f"{root}/prep-{tag}.md", create_prepared_metadata=True,
                                         overlap_staging=overlap, timeout=300) as ck:
             expected[tag] = _saves(ck, sd, root, tag, out, rank)
-            out[f"cuda_workers/{tag}/{rank}"] = sorted({ck.worker_pid} & _cuda_pids())
+            out[f"cuda_workers/{tag}/{rank}"] = sorted({worker_pid(ck)} & _cuda_pids())
     dist.barrier()
     for tag, expect in expected.items():
         for i, want in enumerate(expect):

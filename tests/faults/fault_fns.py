@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import solosave
+from solosave._src.testing.introspect import worker_pid
 from tests.support import equal as _equal
 from tests.support import fresh as _fresh
 from tests.support import zeros_like as _zeros
@@ -280,13 +281,13 @@ def worker_killed_mid_write(rank: int, ws: int, root: str, victim: int, timeout:
     t0 = time.monotonic()
     if rank == victim:
         wait_for_file(marker)
-        os.kill(ck.worker_pid, signal.SIGKILL)
+        os.kill(worker_pid(ck), signal.SIGKILL)
     out["c2"] = _wait(h, timeout)
     out["c2"]["after_s"] = round(time.monotonic() - t0, 2)
     t1 = time.monotonic()
     ck.close(timeout)
     out["close_s"] = round(time.monotonic() - t1, 2)
-    out["worker_alive_after_close"] = alive(ck.worker_pid)
+    out["worker_alive_after_close"] = alive(worker_pid(ck))
     dist.barrier()
     out["c3"] = _recover(rank, root, sd, 3, "c3", timeout)
     return out
@@ -335,7 +336,7 @@ def coordinator_killed_at_publish(rank: int, ws: int, root: str, what: str, time
         wait_for_file(marker)
         out["tmp_file"] = open(marker).read()
         out["tmp_exists_at_kill"] = os.path.exists(out["tmp_file"])
-        os.kill(ck.worker_pid, signal.SIGKILL)
+        os.kill(worker_pid(ck), signal.SIGKILL)
     out["c1"] = _wait(h, timeout)
     out["c1"]["after_s"] = round(time.monotonic() - t0, 2)
     ck.close(timeout)
@@ -356,7 +357,7 @@ def rank_dies(rank: int, ws: int, root: str, victim: int, when: str, timeout: fl
     ck.save(sd, f"{root}/c0").wait(SETUP_WAIT)
     dist.barrier()
     with open(f"{root}/worker.{rank}", "w") as f:
-        f.write(str(ck.worker_pid))
+        f.write(str(worker_pid(ck)))
     if rank == victim and when == "between":
         os.kill(os.getpid(), signal.SIGKILL)
     set_step(sd, rank, 1)
@@ -370,7 +371,7 @@ def rank_dies(rank: int, ws: int, root: str, victim: int, when: str, timeout: fl
     t1 = time.monotonic()
     ck.close(timeout)
     out["close_s"] = round(time.monotonic() - t1, 2)
-    out["worker_alive_after_close"] = alive(ck.worker_pid)
+    out["worker_alive_after_close"] = alive(worker_pid(ck))
     return out
 
 
@@ -393,7 +394,7 @@ def back_to_back(rank: int, ws: int, root: str, saves: int, timeout: float) -> d
             handles.append(h)
             set_step(sd, rank, 10**6)  # the next "training step" overwrites the values at once
             if i in (2, saves - 1):
-                rss.append((rss_kib(os.getpid()), rss_kib(ck.worker_pid)))
+                rss.append((rss_kib(os.getpid()), rss_kib(worker_pid(ck))))
                 segs.append(len([s for s in shm_segments() if s.startswith(f"solosave_{os.getpid()}_")]))
         last = handles[-1].wait(timeout)
         done_before = [h.done() for h in handles]
@@ -430,7 +431,7 @@ def close_in_flight(rank: int, ws: int, root: str, timeout: float) -> dict:
     ck.close(timeout=2.0)
     out["b_close_s"] = round(time.monotonic() - t0, 2)
     out["b"] = _wait(h, 1.0)
-    out["b_worker_alive"] = alive(ck.worker_pid)
+    out["b_worker_alive"] = alive(worker_pid(ck))
     out["b_segments"] = [s for s in shm_segments() if s.startswith(f"solosave_{os.getpid()}_")]
     try:
         ck.save(sd, f"{root}/c")
@@ -606,11 +607,11 @@ def soak(rank: int, ws: int, root: str, saves: int, timeout: float) -> dict:
             r = ck.save(sd, f"{root}/s{i:04d}").wait(timeout)
             modes[r.mode] = modes.get(r.mode, 0) + 1
             if i == 10:
-                start = {"trainer_rss_kib": rss_kib(me), "worker_rss_kib": rss_kib(ck.worker_pid),
+                start = {"trainer_rss_kib": rss_kib(me), "worker_rss_kib": rss_kib(worker_pid(ck)),
                          "fds": open_fds()}
         elapsed = time.monotonic() - t0
-        end = {"trainer_rss_kib": rss_kib(me), "worker_rss_kib": rss_kib(ck.worker_pid), "fds": open_fds()}
-        wpid = ck.worker_pid
+        end = {"trainer_rss_kib": rss_kib(me), "worker_rss_kib": rss_kib(worker_pid(ck)), "fds": open_fds()}
+        wpid = worker_pid(ck)
         kids_during = children(me)
     dist.barrier()
     return {"modes": modes, "seconds": elapsed, "start": start, "end": end, "fds_before": fds0,

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import solosave
+from solosave._src.testing.introspect import worker_pid
 from tests.faults.fault_fns import SETUP_WAIT, sd_at, set_step, shm_segments
 from tests.support import fresh, wait_until, zeros_like
 
@@ -66,7 +67,7 @@ def dropped_checkpointer(rank: int, ws: int, root: str, timeout: float, persiste
     def make_and_drop(name: str) -> int:
         ck = solosave.AsyncCheckpointer(timeout=timeout, persistent_worker=persistent)
         ck.save(sd_at(rank, 0), f"{root}/{name}").wait(SETUP_WAIT)
-        pid = ck.worker_pid
+        pid = worker_pid(ck)
         assert any(s.startswith(mine) for s in shm_segments())
         del ck
         gc.collect()
@@ -100,11 +101,12 @@ TRAINER_PREAMBLE = """
 import os, sys, time, signal, torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 import solosave
+from solosave._src.testing.introspect import worker_pid
 """
 
 EXIT_RIGHT_AWAY = TRAINER_PREAMBLE + """
 ck = solosave.AsyncCheckpointer(timeout=900)
-print("WORKER", ck.worker_pid, flush=True)
+print("WORKER", worker_pid(ck), flush=True)
 os._exit(0)   # dies without close(), a second after creating the checkpointer
 """
 
@@ -114,7 +116,7 @@ signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 ck = solosave.AsyncCheckpointer(timeout=120)
 sd = {{"w": torch.zeros(1000), "step": 0}}
 ck.save(sd, {root!r} + "/c0").wait(120)
-print("READY", ck.worker_pid, flush=True)
+print("READY", worker_pid(ck), flush=True)
 step = 0
 while not stop:
     step += 1

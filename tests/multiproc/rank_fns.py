@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import solosave
+from solosave._src.testing.introspect import worker_pid
 from tests.support import assert_equal, dcp_save_local
 from tests.support import fresh as _fresh
 from tests.support import zeros_like as zeros_like_sd
@@ -123,8 +124,8 @@ def snapshot_and_worker_reuse(rank, ws, root):
             sd["w"].fill_(-1.0)  # the next "optimizer step", before the save finished
             sd["s"] = -1
             h.wait(120)
-            pids.append(ck.worker_pid)
-        alive = [os.path.exists(f"/proc/{ck.worker_pid}")]
+            pids.append(worker_pid(ck))
+        alive = [os.path.exists(f"/proc/{worker_pid(ck)}")]
     for i in range(3):
         tgt = {"w": torch.empty(256, 256), "s": 0}
         solosave.load(tgt, f"{root}/s{i}")

@@ -155,15 +155,8 @@ def _cycles(graph: dict[str, list[tuple[str, tuple[str, ...], int]]]) -> list[li
     return [c for c in out if not all(m == "solosave" or m.startswith("solosave.") and "_src" not in m for m in c)]
 
 
-#: Cycles the engine and handle rework of issue 27 removes (temporary: that change empties it).
-KNOWN_CYCLES = {
-    "import cycle: solosave._src.save.collective -> solosave._src.save.engine",
-    "import cycle: solosave._src.save.checkpointer -> solosave._src.save.handle",
-}
-
-
 def test_layering_rule_holds():
-    assert [v for v in violations() if v not in KNOWN_CYCLES] == []
+    assert violations() == []
 
 
 def test_every_folder_has_a_level():

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from solosave._src.coordination.packing import pack_specs, unpack_specs
+from solosave._src.coordination.packing import pack_specs
 from solosave._src.coordination.protocol import (
     ItemKind,
     ItemSpec,
@@ -16,6 +16,7 @@ from solosave._src.coordination.protocol import (
     encode_status,
     save_identity,
 )
+from tests.unit.plan.oracle import unpack_specs
 
 
 def test_pack_specs_roundtrip_and_narrow_columns():

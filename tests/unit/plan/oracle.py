@@ -25,8 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from solosave._src.coordination.packing import unpack_specs
-from solosave._src.coordination.protocol import ItemKind, ItemSpec, PlanRequest, WriteResult
+from solosave._src.coordination.protocol import ItemKind, ItemSpec, PackedSpecs, PlanRequest, WriteResult
 from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_VERSION, ItemKey, dtype_from_name, item_key
 from solosave._src.plan.chunks import validate_chunks
@@ -163,6 +162,27 @@ def build_state_dict_metadata(all_specs: Iterable[ItemSpec]) -> dict[str, Tensor
     return md
 
 
+
+
+def unpack_specs(packed: PackedSpecs) -> list[ItemSpec]:
+    """The :class:`ItemSpec` objects of a ``pack_specs`` payload (``owner`` is not sent): the
+    per-item reading of the columns that ``global_plan`` reads as arrays."""
+    kind_of = tuple(ItemKind)
+    out = []
+    pos = 0
+    for i, fqn in enumerate(packed.fqns):
+        nd = packed.ndims[i]
+        if nd < 0:
+            o = z = g = None
+        else:
+            nums = packed.numbers
+            o = tuple(nums[pos:pos + nd])
+            z = tuple(nums[pos + nd:pos + 2 * nd])
+            g = tuple(nums[pos + 2 * nd:pos + 3 * nd])
+            pos += 3 * nd
+        out.append(ItemSpec(fqn, kind_of[packed.kinds[i]], o, z, g,
+                            packed.dtype_table[packed.dtype_index[i]], packed.nbytes[i]))
+    return out
 
 
 def oracle_plan(requests: Sequence[PlanRequest]) -> tuple[dict, list[list[int]]]:

@@ -1,3 +1,4 @@
+import json
 import os
 import pickle
 
@@ -7,10 +8,19 @@ import torch.distributed.checkpoint as dcp
 
 import solosave
 from solosave._src.formats.metadata_template import MetadataTemplate
-from solosave._src.prepared.prepared import FORMAT_VERSION
+from solosave._src.prepared.prepared import FORMAT_VERSION, MAGIC, Fingerprint, metadata_structure_hash
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.storage.storage import atomic_write
 from tests.support import dcp_save_local
+
+
+def write_v1_file(path, metadata, pickled):
+    """A version-1 prepared file (solosave still reads it, converting on load), as solosave wrote
+    them: the fingerprint of ``metadata`` at world size 1 with 1 worker, then ``pickled``, a
+    protocol-2 pickle of a ``Metadata``."""
+    fp = Fingerprint(1, 1, metadata_structure_hash(metadata), torch.__version__)
+    head = json.dumps({**fp.fields(), "format_version": 1}, sort_keys=True).encode()
+    atomic_write(path, b"".join((MAGIC, b"1\n", head, b"\n", pickled)))
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +54,12 @@ def test_roundtrip_and_fingerprint_mismatch(ckpt_dir, tmp_path):
 
 
 def test_structure_tampering_detected_in_a_version_1_file(ckpt_dir, tmp_path):
-    from solosave._src.prepared.prepared import prepared_fingerprint, write_prepared_file
-
     md = solosave.load_prepared_metadata(ckpt_dir).metadata
     path = tmp_path / "prep.md"
     md2 = pickle.loads(pickle.dumps(md))
     k = next(iter(md2.storage_data))
     md2.storage_data[k].length += 1
-    write_prepared_file(path, prepared_fingerprint(md, 1, 1), pickle.dumps(md2, protocol=2))
+    write_v1_file(path, md, pickle.dumps(md2, protocol=2))
     with pytest.raises(solosave.FingerprintMismatchError, match="structure"):
         solosave.load_prepared_metadata(path).check_compatible(1, 1)
 
@@ -160,12 +168,7 @@ def test_bytes_padding_is_readable_or_refused(obj):
 
 def test_prepared_adopts_the_coordinators_template_only_for_its_publication(ckpt_dir, tmp_path):
     from solosave._src.formats.safe_pickle import safe_loads
-    from solosave._src.prepared.prepared import (
-        PreparedMetadata,
-        load_prepared_metadata,
-        prepared_fingerprint,
-        write_prepared_file,
-    )
+    from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 
     md = solosave.load_prepared_metadata(ckpt_dir).metadata
     tpl = MetadataTemplate(md)
@@ -180,7 +183,7 @@ def test_prepared_adopts_the_coordinators_template_only_for_its_publication(ckpt
     assert other.template is not tpl  # built from its own metadata
     # the prepared file written from the published bytes loads as save_prepared_metadata's does
     path = tmp_path / "p.prepared"
-    write_prepared_file(path, prepared_fingerprint(pm.metadata, 1, 1), data)
+    write_v1_file(path, pm.metadata, data)
     loaded = load_prepared_metadata(path)
     loaded.check_compatible(1, 1)
     assert loaded.metadata == pm.metadata and loaded.fingerprint == pm.fingerprint
@@ -304,11 +307,9 @@ def test_v2_corrupt_or_truncated_sections_give_clear_errors(tmp_path, where):
 
 
 def test_v1_file_and_plain_metadata_convert_to_the_same_layout(ckpt_dir, tmp_path):
-    from solosave._src.prepared.prepared import prepared_fingerprint, write_prepared_file
-
     md = solosave.load_prepared_metadata(ckpt_dir).metadata
     v1 = tmp_path / "v1.prepared"
-    write_prepared_file(v1, prepared_fingerprint(md, 1, 1), pickle.dumps(md, protocol=2))
+    write_v1_file(v1, md, pickle.dumps(md, protocol=2))
     a = solosave.load_prepared_metadata(v1)
     b = solosave.load_prepared_metadata(ckpt_dir)
     a.check_compatible(1, 1)

@@ -5,6 +5,7 @@ per case instead of seconds of process start-up."""
 import os
 import threading
 import time
+from collections import defaultdict
 
 import pytest
 import torch
@@ -36,13 +37,13 @@ class Ranks:
     """W ranks in threads: ``ranks.save(fn, path)`` runs ``fn(rank) -> state dict`` on every rank
     and returns every rank's outcome (rank order)."""
 
-    def __init__(self, world, tmp_path, writer=None, engine_cls=Engine, **options):
+    def __init__(self, world, tmp_path, writer=None, **options):
         self.world = world
         self.tmp = tmp_path
         opts = CheckpointerOptions(persistent_worker=False, **options)
         channels = local_channels(world, timeout=10)
         settings = EngineSettings(opts.workers, opts.on_layout_drift, opts.prepared_path)
-        self.engines = [engine_cls(ch, settings, writer or FileWriter(fsync=False)) for ch in channels]
+        self.engines = [Engine(ch, settings, writer or FileWriter(fsync=False)) for ch in channels]
         self.sessions = [SaveSession(r, world, opts, None) for r in range(world)]
 
     def save(self, state_of, name, abort_on=(), skip_seq_on=()):
@@ -177,21 +178,24 @@ def test_ranks_out_of_step_break_every_engine(ranks):
     assert not (rk.tmp / "c1" / ".metadata").exists()
 
 
-def test_an_internal_error_is_reported_with_its_traceback(ranks):
-    class Buggy(Engine):
-        def publish(self, job, data, timings):
-            raise KeyError("a bug")
+def test_an_internal_error_is_reported_with_its_traceback(ranks, monkeypatch):
+    from solosave._src.save import reuse
 
-    rk = ranks(2, engine_cls=Buggy)
+    def bug(*a, **k):
+        raise KeyError("a bug")
+
+    rk = ranks(2)
+    for e in rk.engines:
+        e.io.publish = bug
     outs = rk.save(state, "c0")
     # publishing errors are the coordinator's per-save failure, reported to every rank
     assert all(not o.ok and "publishing failed: KeyError" in o.failures[0] for o in outs)
 
-    class Buggier(Engine):
-        def _reuse_write(self, job, timings):
-            raise ZeroDivisionError("a bug")
+    def worse_bug(placed, results):
+        raise ZeroDivisionError("a bug")
 
-    rk = ranks(1, engine_cls=Buggier, assume_constant_structure=True)
+    monkeypatch.setattr(reuse, "check_layout", worse_bug)  # outside the reuse write's error handling
+    rk = ranks(1, assume_constant_structure=True)
     rk.save(state, "d0")
     outs = rk.save(state, "d1")
     assert outs[0].error_kind is ErrorKind.INTERNAL
@@ -269,20 +273,20 @@ def _stepped(r, step):
 def test_a_steady_structure_reuses_its_write_program_and_still_sees_a_drift(ranks, tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from solosave._src.save import engine as _engine
+    from solosave._src.save import reuse
 
     checks = []
-    real = _engine.check_layout
-    monkeypatch.setattr(_engine, "check_layout", lambda placed, results: checks.append(1) or real(placed, results))
+    real = reuse.check_layout
+    monkeypatch.setattr(reuse, "check_layout", lambda placed, results: checks.append(1) or real(placed, results))
     rk = ranks(2, assume_constant_structure=True)
     rk.save(state, "c0")  # create
     rk.save(state, "c1")  # the first reuse save works the program out and checks its layout
-    programs, n = [e._reuse_program for e in rk.engines], len(checks)
+    programs, n = [e.io.reuse_program for e in rk.engines], len(checks)
     assert all(p is not None and p.checked is not None for p in programs) and n == 2
     for i in (2, 3):
         outs = rk.save(lambda r, i=i: _stepped(r, i), f"c{i}")
         assert kinds(outs) == [SaveKind.REUSE] * 2 and all(o.ok and o.published for o in outs)
-    assert all(e._reuse_program is p for e, p in zip(rk.engines, programs))
+    assert all(e.io.reuse_program is p for e, p in zip(rk.engines, programs))
     assert len(checks) == n  # the same layout as the last checked one: no check needed
     got = {"w": torch.zeros(64), "meta": {"step": -1, "sched": []}}
     dcp.load(got, checkpoint_id=str(tmp_path / "c3"), no_dist=True)
@@ -301,9 +305,9 @@ def test_reuse_publishes_the_metadata_it_staged_and_leaves_no_temporary_file(ran
     writer = FailingWriter(rank=1, failing=False)
     rk = ranks(2, writer=writer, assume_constant_structure=True, on_layout_drift="raise")
     rk.save(state, "c0")
-    written = []  # Engine.publish writes .metadata whole: a reuse save renames the staged one
+    written = []  # RankIO.publish writes .metadata whole: a reuse save renames the staged one
     for e in rk.engines:
-        e.publish = lambda *a, e=e, **k: written.append(1) or Engine.publish(e, *a, **k)
+        e.io.publish = lambda *a, io=e.io, **k: written.append(1) or type(io).publish(io, *a, **k)
     outs = rk.save(state, "c1")
     assert kinds(outs) == [SaveKind.REUSE] * 2 and all(o.ok and o.published for o in outs)
     assert written == []
@@ -319,11 +323,11 @@ def test_reuse_publishes_the_metadata_it_staged_and_leaves_no_temporary_file(ran
     assert all(not o.ok and o.error_kind is ErrorKind.DRIFT for o in outs)
     for name in ("c2", "c3"):  # neither .metadata nor its temporary file (..metadata.tmp.*)
         assert not [n for n in os.listdir(tmp_path / name) if "metadata" in n], os.listdir(tmp_path / name)
-    assert all(e._reuse_program is not None for e in rk.engines)
+    assert all(e.io.reuse_program is not None for e in rk.engines)
 
 
 def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_thread():
-    from solosave._src.save.engine import _Ahead
+    from solosave._src.save.reuse import Ahead
     from solosave._src.storage.storage import StagedCommit
 
     log = []
@@ -331,12 +335,12 @@ def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_
     def commit(name):
         return StagedCommit(lambda: log.append(f"finish {name}"), lambda: log.append(f"discard {name}"))
 
-    on_time = _Ahead(lambda ahead: ahead.offer(commit("a")))
+    on_time = Ahead(lambda ahead: ahead.offer(commit("a")))
     staged = on_time.take(10)
     assert log == [] and on_time.take(10) is None
     staged.finish()
     release = threading.Event()
-    late = _Ahead(lambda ahead: release.wait(10) and ahead.offer(commit("b")))
+    late = Ahead(lambda ahead: release.wait(10) and ahead.offer(commit("b")))
     assert late.take(0.2) is None  # the engine gave up waiting
     t0 = time.monotonic()
     assert late.take(5) is None  # later waits share the first one's deadline: no second wait
@@ -344,3 +348,95 @@ def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_
     release.set()
     late.thread.join(10)
     assert log == ["finish a", "discard b"]
+
+
+def test_the_ahead_threads_warnings_are_kept_until_the_take_and_dropped_after():
+    from solosave._src.save.reuse import Ahead
+
+    warned, release = threading.Event(), threading.Event()
+
+    def run(ahead):
+        ahead.warn("index not written")
+        warned.set()
+        release.wait(10)
+        ahead.warn("too late")
+
+    ahead = Ahead(run)
+    assert warned.wait(10)
+    assert ahead.take(0.2) is None  # the reuse path stops waiting before the second warning
+    release.set()
+    ahead.thread.join(10)
+    assert ahead.warnings == ("index not written",)
+
+
+def _on_threads(world, fn):
+    """``fn(rank)`` on ``world`` threads; every rank's return value (rank order)."""
+    out = [None] * world
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, fn(r))) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(o is not None for o in out), "a rank did not finish"
+    return out
+
+
+def test_the_paths_take_their_state_as_arguments_and_return_what_they_made(tmp_path):
+    """No engine: the collective and reuse paths run on a channel, the settings and each rank's
+    ``RankIO``, and return the outcome and the template the coordinator made (adopted by the
+    prepared metadata of the next save, which is how the engine uses it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from solosave._src.save.collective import run_collective
+    from solosave._src.save.rank_io import RankIO
+    from solosave._src.save.reuse import run_reuse
+
+    world = 2
+    opts = CheckpointerOptions(persistent_worker=False, assume_constant_structure=True)
+    settings = EngineSettings(opts.workers, opts.on_layout_drift, opts.prepared_path)
+    channels = local_channels(world, timeout=10)
+    ios = [RankIO(r, FileWriter(fsync=False)) for r in range(world)]
+    sessions = [SaveSession(r, world, opts, None) for r in range(world)]
+    try:
+        def create(r):
+            job = sessions[r].build(state(r), str(tmp_path / "c0")).job
+            return run_collective(channels[r], settings, ios[r], job, defaultdict(float))
+
+        created = _on_threads(world, create)
+        assert all(o.ok and o.published and o.kind is SaveKind.CREATE for o, _ in created)
+        made = [m for _, m in created]
+        assert made[1] is None and made[0] is not None  # the coordinator made it
+        published = FileSystemReader(str(tmp_path / "c0")).read_metadata().storage_meta.save_id
+        assert made[0].save_id == published
+        for s, (o, _) in zip(sessions, created):
+            s.absorb(o)
+
+        def reuse(r):
+            job = sessions[r].build(state(r), str(tmp_path / "c1")).job
+            if r == 0:
+                assert job.prepared.adopt_template(made[0].save_id, made[0].template, made[0].index_body)
+            mark = channels[r].counter.mark()
+            out, m = run_reuse(channels[r], settings, ios[r], job, job.prepared, defaultdict(float))
+            return out, m, [c.kind for c in channels[r].counter.since(mark)]
+
+        reused = _on_threads(world, reuse)
+        assert all(o.ok and o.published and o.kind is SaveKind.REUSE and m is None for o, m, _ in reused)
+        assert all(calls == ["all_reduce"] for _, _, calls in reused)
+        assert (tmp_path / "c1" / ".metadata").exists()
+    finally:
+        for s in sessions:
+            s.close()
+        for io in ios:
+            io.close()
+
+
+def test_the_coordinators_warnings_come_back_in_its_outcome(ranks, tmp_path):
+    """A prepared file that cannot be written (here: the path is a checkpoint directory) is a
+    warning of the coordinator's outcome; the save itself publishes."""
+    ckpt = tmp_path / "old_ckpt"
+    ckpt.mkdir()
+    rk = ranks(2, prepared_metadata=str(ckpt), create_prepared_metadata=True)
+    outs = rk.save(state, "c0")
+    assert all(o.ok and o.published for o in outs), [o.failures for o in outs]
+    assert any("is never written into" in w for w in outs[0].warnings), outs[0].warnings
+    assert outs[1].warnings == ()

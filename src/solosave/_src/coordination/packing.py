@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from array import array
 
-from solosave._src.coordination.protocol import ItemKind, ItemSpec, PackedSpecs, WriteResult, WrittenColumns
+from solosave._src.coordination.protocol import ItemSpec, PackedSpecs, WriteResult, WrittenColumns
 from solosave._src.formats.dcp import ItemKey
 
 
@@ -55,26 +55,6 @@ def narrow(a: array) -> array:
         if array(code).itemsize * 8 == bound.bit_length() and -bound <= lo and hi < bound:
             return array(code, a)
     return a
-
-
-def unpack_specs(packed: PackedSpecs) -> list[ItemSpec]:
-    """The :class:`ItemSpec` objects of a :func:`pack_specs` payload (``owner`` is not sent)."""
-    kind_of = tuple(ItemKind)
-    out = []
-    pos = 0
-    for i, fqn in enumerate(packed.fqns):
-        nd = packed.ndims[i]
-        if nd < 0:
-            o = z = g = None
-        else:
-            nums = packed.numbers
-            o = tuple(nums[pos:pos + nd])
-            z = tuple(nums[pos + nd:pos + 2 * nd])
-            g = tuple(nums[pos + 2 * nd:pos + 3 * nd])
-            pos += 3 * nd
-        out.append(ItemSpec(fqn, kind_of[packed.kinds[i]], o, z, g,
-                            packed.dtype_table[packed.dtype_index[i]], packed.nbytes[i]))
-    return out
 
 
 def written_columns(held: list[ItemKey], rows: list[WriteResult]) -> WrittenColumns:

@@ -67,12 +67,6 @@ def item_key(fqn: str, offsets: Iterable[int] | None) -> ItemKey:
     return (fqn, tuple(int(o) for o in offsets) if offsets is not None else None)
 
 
-def as_key(key: Any) -> ItemKey:
-    """A key that travelled through pickling or JSON (lists, ``torch.Size``) made an ``ItemKey``."""
-    fqn, offsets = key
-    return item_key(fqn, offsets)
-
-
 def index_key(index: MetadataIndex) -> ItemKey:
     """The ``ItemKey`` of a ``storage_data`` key."""
     return item_key(index.fqn, index.offset)

@@ -406,12 +406,6 @@ def _parse_prepared(p: Path | str, data: bytes) -> PreparedMetadata:
     return _converted(md, fp, str(p))
 
 
-def prepared_fingerprint(metadata: Metadata, world_size: int | None = None,
-                         workers: int | None = None) -> Fingerprint:
-    """The fingerprint :meth:`PreparedMetadata.from_metadata` records for ``metadata``."""
-    return Fingerprint(world_size, workers, metadata_structure_hash(metadata), torch.__version__)
-
-
 def save_prepared_metadata(prepared: PreparedMetadata | Metadata, path: str | os.PathLike, *,
                            storage_options: Mapping[str, Any] | None = None) -> None:
     """Write ``prepared`` to ``path`` (format version 3) atomically (temp file, fsync, rename,
@@ -419,14 +413,6 @@ def save_prepared_metadata(prepared: PreparedMetadata | Metadata, path: str | os
     if isinstance(prepared, Metadata):
         prepared = PreparedMetadata.from_metadata(prepared)
     write_prepared_bytes(path, prepared.to_bytes(), storage_options=storage_options)
-
-
-def write_prepared_file(path: str | os.PathLike, fingerprint: Fingerprint, pickled: bytes,
-                        storage_options: Mapping[str, Any] | None = None) -> None:
-    """Write a version-1 prepared-metadata file (still read, converted on load) from the
-    fingerprint and ``pickled``, a protocol-2 pickle of the ``Metadata``."""
-    fpj = json.dumps({**fingerprint.fields(), "format_version": 1}, sort_keys=True)
-    write_prepared_bytes(path, b"".join((MAGIC, b"1\n", fpj.encode(), b"\n", pickled)), storage_options)
 
 
 def write_prepared_bytes(path: str | os.PathLike, data: bytes,

@@ -1,4 +1,4 @@
-"""The public saver: :class:`AsyncCheckpointer` (its handles: ``_handle.SaveHandle``).
+"""The public saver: :class:`AsyncCheckpointer` (its handles: ``save/handle.SaveHandle``).
 
 Who calls what, in which order (every rank of ``process_group``):
 
@@ -12,6 +12,8 @@ Who calls what, in which order (every rank of ``process_group``):
    that fails the save).
 3. ``handle.done()`` - non-blocking, no collective; ``handle.wait(timeout)`` - bounded, returns a
    :class:`SaveResult` or raises :class:`~solosave.CheckpointError` (the same on every rank).
+   The handle waits on a future that this checkpointer completes when its worker reports the
+   save's outcome (``_pump``, the handle's pump; see ``save/handle.py``).
 4. ``close()`` (or leaving the ``with`` block) - waits for the save in flight (bounded), stops
    the worker and frees the staging memory; no processes, segments or files are left behind. A
    checkpointer dropped without ``close()`` is closed when it is garbage-collected.
@@ -24,6 +26,8 @@ import os
 import threading
 import time
 import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +45,14 @@ from solosave._src.coordination.protocol import (
     WorkerSetup,
 )
 from solosave._src.coordination.rendezvous import new_gloo_group, share_store_address
-from solosave._src.core.errors import CheckpointExistsError, PreparedMetadataError, SaveTimeoutError, WorkerDiedError
+from solosave._src.core.errors import CheckpointExistsError, PreparedMetadataError, WorkerDiedError
 from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 from solosave._src.save.engine import Engine
-from solosave._src.save.handle import SaveHandle
+from solosave._src.save.handle import SaveHandle, complete, wait_published
 from solosave._src.save.options import CheckpointerOptions
-from solosave._src.save.result import SaveResult
+from solosave._src.save.result import SaveResult, Started
 from solosave._src.save.session import SaveSession, normalize_directory
 from solosave._src.save.staging import Staging
 from solosave._src.save.worker import ProcessTransport, ThreadTransport
@@ -82,6 +86,16 @@ class _Resources:
             self.store = None
 
 
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    """The checkpointer's side of its save in flight: the handle it returned, the future that
+    handle waits on (completed here) and what ``save()`` measured, for the result."""
+
+    handle: SaveHandle
+    published: Future[SaveResult]
+    started: Started
+
+
 class AsyncCheckpointer:
     """Asynchronous DCP-format saves with a persistent worker per rank.
 
@@ -109,7 +123,7 @@ class AsyncCheckpointer:
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self._setup_counter = CollectiveCounter()
-        self._inflight: SaveHandle | None = None
+        self._inflight: _InFlight | None = None
         self._closed = False
         self._submit_error: BaseException | None = None
         self._known_buckets: set[str] = set()  # URL destinations whose bucket was seen to exist
@@ -191,10 +205,6 @@ class AsyncCheckpointer:
         assert self._res.transport is not None  # noqa: S101 - set in __init__
         return self._res.transport
 
-    @property
-    def worker_pid(self) -> int:
-        return self._transport.pid
-
     # -- saving ---------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], path: str | os.PathLike, *,
              overwrite: bool = False) -> SaveHandle:
@@ -221,18 +231,26 @@ class AsyncCheckpointer:
                 built = self._session.build(state_dict, directory)
         except Exception as e:
             abort = self._session.abort(normalize_directory(path), e)
-            self._inflight = SaveHandle(self, abort, t_start, 0.0, 0.0, 0.0, ())
+            # no handle of this save reaches the user: it is reported by raising here
+            self._inflight = self._track(abort, Started(t_start, 0.0, 0.0, 0.0, ()), None, reported=True)
             try:
                 self._submit(abort, None)
             except WorkerDiedError:  # nothing to fail: the next save reports the dead worker
                 self._inflight = None
             raise
-        handle = SaveHandle(self, built.job, t_start, built.plan_s, built.stage_s,
-                            time.perf_counter() - p0, tuple(self._setup_counter.since(mark)))
-        handle._staging = built.staging
-        self._inflight = handle
+        started = Started(t_start, built.plan_s, built.stage_s, time.perf_counter() - p0,
+                          tuple(self._setup_counter.since(mark)))
+        self._inflight = self._track(built.job, started, built.staging)
         self._submit(built.job, built.staging)
-        return handle
+        return self._inflight.handle
+
+    def _track(self, job: SaveJob, started: Started, staging: Staging | None, reported: bool = False) -> _InFlight:
+        """The save in flight of ``job``: a published future, completed by :meth:`_pump`, and
+        the handle that waits on it."""
+        published: Future[SaveResult] = Future()
+        handle = SaveHandle(job.directory, job.seq, self.rank, published, self._pump, self.options.timeout,
+                            staging, reported)
+        return _InFlight(handle, published, started)
 
     def _submit(self, job: SaveJob, staging: Staging | None) -> None:
         """Hand ``job`` to the worker; when its copies are still running (CUDA, overlapped
@@ -285,40 +303,28 @@ class AsyncCheckpointer:
 
     # -- completion -------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
-        """Take at most one outcome from the worker (bounded) and attach it to its handle."""
-        h = self._inflight
-        if h is None or h._outcome is not None:
+        """The handles' pump: take at most one outcome from the worker (waiting at most
+        ``timeout`` seconds) and complete the future of the save in flight."""
+        f = self._inflight
+        if f is None or f.published.done():
             return
+        seq = f.handle.seq
         if self._submit_error is not None:
             e, self._submit_error = self._submit_error, None
-            outcome = JobOutcome(h.seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED,
+            outcome = JobOutcome(seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED,
                                  failures={self.rank: f"staging on the device failed: {type(e).__name__}: {e}"})
         else:
             outcome = self._transport.poll(timeout)
         if outcome is None:
             return
-        if outcome.seq != h.seq:
-            raise RuntimeError(f"internal: outcome for save {outcome.seq}, expected {h.seq}")
+        if outcome.seq != seq:
+            raise RuntimeError(f"internal: outcome for save {outcome.seq}, expected {seq}")
         self._session.absorb(outcome)
-        h._set(outcome)
+        complete(f.published, outcome, f.handle.path, self.rank, f.started)
 
-    def _wait_for(self, handle: SaveHandle, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while handle._outcome is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SaveTimeoutError(
-                    f"save to {handle.path} did not finish within {timeout:.0f} s on rank {self.rank}; "
-                    "another rank may be slow, stuck or dead (its error, if any, is on that rank). "
-                    "Raise `timeout` if saves are legitimately slow.")
-            self._pump(min(left, 1.0))
-
-    def wait_all(self, timeout: float | None = None) -> list[SaveResult]:
-        """Wait for the save in flight; return its result or raise its error."""
-        h = self._inflight
-        if h is None or h._job.abort is not None:
-            return []
-        return [h.wait(timeout)]
+    def _wait_for(self, f: _InFlight, timeout: float) -> None:
+        """Wait (bounded) for the save in flight to finish, without reporting it to the user."""
+        wait_published(f.published, self._pump, timeout, f.handle.path, self.rank)
 
     def close(self, timeout: float | None = None) -> None:
         """Finish or abandon the save in flight (bounded), stop the worker, free memory.
@@ -338,37 +344,39 @@ class AsyncCheckpointer:
             return
         self._closed = True
         t = self.options.timeout if timeout is None else timeout
-        h = self._inflight
+        f = self._inflight
         try:
-            if h is not None and h._outcome is None:
+            if f is not None and not f.published.done():
                 try:
-                    self._wait_for(h, t)
+                    self._wait_for(f, t)
                 except Exception as e:  # noqa: BLE001 - close never raises for a failed save
                     if not isinstance(e, WorkerDiedError):
-                        log.warning("solosave: closing with an unfinished save to %s: %s", h.path, e)
-            if h is not None and h._error is not None and not h.reported:
-                log.warning("solosave: save to %s failed and was never waited for: %s", h.path, h._error)
+                        log.warning("solosave: closing with an unfinished save to %s: %s", f.handle.path, e)
+            error = f.published.exception() if f is not None and f.published.done() else None
+            if f is not None and error is not None and not f.handle.reported:
+                log.warning("solosave: save to %s failed and was never waited for: %s", f.handle.path, error)
         finally:
             self._finalizer.detach()
             try:
                 self._res.release(min(t, 30.0))
             except Exception as e:  # noqa: BLE001 - close never raises
                 log.warning("solosave: releasing the checkpointer's resources: %s", e)
-            if h is not None and h._outcome is None:
-                self._settle_abandoned(h, t)
+            if f is not None and not f.published.done():
+                self._settle_abandoned(f, t)
 
-    def _settle_abandoned(self, h: SaveHandle, t: float) -> None:
-        late = [o for o in self._transport.leftover if o.seq == h.seq]
+    def _settle_abandoned(self, f: _InFlight, t: float) -> None:
+        seq, path = f.handle.seq, f.handle.path
+        late = [o for o in self._transport.leftover if o.seq == seq]
         try:
-            published = path_exists(join(h.path, METADATA_FILE), self.options.storage_options)
+            published = path_exists(join(path, METADATA_FILE), self.options.storage_options)
         except Exception:  # noqa: BLE001 - storage unreachable: reported as not published
             published = False
-        h._set(late[0] if late else JobOutcome(
-            h.seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED, published=published, failures={
+        complete(f.published, late[0] if late else JobOutcome(
+            seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED, published=published, failures={
                 self.rank: f"abandoned by close(): the save did not finish within {t:g} s "
                 "and this rank's worker was stopped; " + (
                     f"{METADATA_FILE} exists (the coordinator published it before it was "
-                    "stopped)" if published else f"no {METADATA_FILE} was published")}))
+                    "stopped)" if published else f"no {METADATA_FILE} was published")}), path, self.rank, f.started)
 
     def __enter__(self) -> AsyncCheckpointer:
         return self

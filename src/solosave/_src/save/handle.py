@@ -1,43 +1,89 @@
 """A save in flight: :class:`SaveHandle`, returned by ``AsyncCheckpointer.save()``.
 
-Calling thread, every rank: ``done()`` never blocks; ``wait(timeout)`` is bounded and returns the
-:class:`~solosave.SaveResult` or raises the save's :class:`~solosave.CheckpointError`, the same on
-every rank; ``wait_staged()`` matters with ``overlap_staging`` only. Neither calls a collective:
-the handle's checkpointer takes the outcome from its worker (``_pump``) and hands it here
-(``_set``).
+Like DCP's ``AsyncSaveResponse`` the handle holds two futures, and a pump:
+
+* *staged* (:class:`StagedFuture`): ``wait(timeout)`` returns once this save's tensors may change
+  (with ``overlap_staging``: once its copies are done); the save's ``Staging`` is one;
+* *published*: a ``concurrent.futures.Future`` of the save's :class:`~solosave.SaveResult`, or of
+  its :class:`~solosave.CheckpointError`, the same on every rank;
+* the *pump* (:data:`Pump`): takes at most one outcome from the worker, waiting at most the
+  seconds it is given, and completes the published future of that save.
+
+The checkpointer makes the futures and the pump, and completes the published future
+(:func:`complete`, on the calling thread, from inside the pump or when ``close()`` abandons the
+save); the handle only waits on them. Calling thread, every rank: ``done()`` never blocks;
+``wait(timeout)`` is bounded (:func:`wait_published`); ``wait_staged()`` matters with
+``overlap_staging`` only. None of them calls a collective.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Protocol
 
-from solosave._src.coordination.channel import CollectiveCall
-from solosave._src.coordination.protocol import JobOutcome, SaveJob
-from solosave._src.save.result import PhaseTimings, SaveResult, error_of
-from solosave._src.save.staging import Staging
+from solosave._src.coordination.protocol import JobOutcome
+from solosave._src.core.errors import SaveTimeoutError
+from solosave._src.save.result import SaveResult, Started, error_of, result_of
 
-if TYPE_CHECKING:
-    from solosave._src.save.checkpointer import AsyncCheckpointer
+#: ``pump(timeout)``: take at most one outcome from the worker (waiting at most ``timeout``
+#: seconds; ``0``: only look) and complete the published future of its save.
+Pump = Callable[[float], None]
+
+
+class StagedFuture(Protocol):
+    """When a save's tensors may change: ``wait(timeout)`` blocks at most ``timeout`` seconds
+    (or orders the current CUDA stream after the copies) and raises the staging's error."""
+
+    def wait(self, timeout: float) -> None: ...
+
+
+def complete(published: Future[SaveResult], outcome: JobOutcome, path: str, rank: int, started: Started) -> None:
+    """The checkpointer, once per save: complete ``published`` from the save's outcome (its
+    :class:`SaveResult`, whose warnings are issued now, or its error)."""
+    if not outcome.ok:
+        published.set_exception(error_of(outcome, path))
+        return
+    published.set_result(result_of(outcome, path, rank, started))
+    for w in outcome.warnings:
+        warnings.warn(w, RuntimeWarning, stacklevel=3)
+
+
+def wait_published(published: Future[SaveResult], pump: Pump, timeout: float, path: str, rank: int) -> None:
+    """Pump until ``published`` is done, at most ``timeout`` seconds; raises
+    :class:`~solosave.SaveTimeoutError` (naming ``path`` and ``rank``) if it is not."""
+    deadline = time.monotonic() + timeout
+    while not published.done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SaveTimeoutError(
+                f"save to {path} did not finish within {timeout:.0f} s on rank {rank}; "
+                "another rank may be slow, stuck or dead (its error, if any, is on that rank). "
+                "Raise `timeout` if saves are legitimately slow.")
+        pump(min(left, 1.0))
 
 
 class SaveHandle:
-    """A save in flight. ``done()`` never blocks and never calls a collective."""
+    """A save in flight. ``done()`` never blocks and never calls a collective.
 
-    def __init__(self, owner: AsyncCheckpointer, job: SaveJob, t_start: float, t_plan: float,
-                 t_stage: float, t_block: float, calling: tuple[CollectiveCall, ...]) -> None:
-        self._owner = owner
-        self._job = job
-        self.path = job.directory
-        self.seq = job.seq
-        self._t = (t_start, t_plan, t_stage, t_block)
-        self._calling = calling
-        self._outcome: JobOutcome | None = None
-        self._result: SaveResult | None = None
-        self._error: BaseException | None = None
+    Made by ``AsyncCheckpointer.save()``: ``path`` and ``seq`` name the save, ``rank`` this rank;
+    ``published``, ``staged`` and ``pump`` are described in the module docstring; ``timeout`` is
+    the default of :meth:`wait` and :meth:`wait_staged`.
+    """
+
+    def __init__(self, path: str, seq: int, rank: int, published: Future[SaveResult], pump: Pump,
+                 timeout: float, staged: StagedFuture | None = None, reported: bool = False) -> None:
+        self.path = path
+        self.seq = seq
+        self._rank = rank
+        self._published = published
+        self._pump = pump
+        self._timeout = timeout
+        self._staged = staged
         #: The user saw this save's result or error (or never had a handle: an aborted save).
-        self.reported = job.abort is not None
-        self._staging: Staging | None = None
+        self.reported = reported
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """With ``overlap_staging``: return once this save's tensors are copied (CPU tensors),
@@ -45,38 +91,18 @@ class SaveHandle:
         saved tensors may change from then on. Call it before ``optimizer.step()``. Raises
         :class:`~solosave.StagingRaceError` if a saved tensor changed in place before (the save
         then fails on every rank). Without ``overlap_staging`` it returns at once."""
-        if self._staging is not None:
-            self._staging.wait(self._owner.options.timeout if timeout is None else timeout)
-
-    def _set(self, outcome: JobOutcome) -> None:
-        self._outcome = outcome
-        t_start, t_plan, t_stage, t_block = self._t
-        tm = outcome.timings
-        if not outcome.ok:
-            self._error = error_of(outcome, self.path)
-            return
-        self._result = SaveResult(
-            path=self.path, rank=self._owner.rank, mode=outcome.kind.value, bytes_written=outcome.bytes_written,
-            timings=PhaseTimings(t_plan, t_stage, tm.get("write", 0.0), tm.get("coordinate", 0.0),
-                                 tm.get("publish", 0.0), t_block, max(outcome.finished_at - t_start, 0.0)),
-            collectives_calling_thread=self._calling, collectives_background=outcome.collectives,
-            published=outcome.published, warnings=outcome.warnings)
-        for w in outcome.warnings:
-            warnings.warn(w, RuntimeWarning, stacklevel=3)
+        if self._staged is not None:
+            self._staged.wait(self._timeout if timeout is None else timeout)
 
     def done(self) -> bool:
-        if self._outcome is None:
-            self._owner._pump(0.0)
-        return self._outcome is not None
+        if not self._published.done():
+            self._pump(0.0)
+        return self._published.done()
 
     def wait(self, timeout: float | None = None) -> SaveResult:
         """Wait (at most ``timeout`` seconds; default: the checkpointer's ``timeout``) and
         return the :class:`SaveResult`, or raise the save's error (the same on every rank)."""
-        if self._outcome is None:
-            self._owner._wait_for(self, self._owner.options.timeout if timeout is None else timeout)
+        wait_published(self._published, self._pump, self._timeout if timeout is None else timeout,
+                       self.path, self._rank)
         self.reported = True
-        if self._error is not None:
-            raise self._error
-        if self._result is None:
-            raise RuntimeError("internal: a finished save without result or error")
-        return self._result
+        return self._published.result()

@@ -57,6 +57,29 @@ class SaveResult:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Started:
+    """What ``save()`` measured on the calling thread, for the save's :class:`SaveResult`."""
+
+    #: ``time.time()`` when ``save()`` was entered.
+    at: float
+    plan_s: float
+    stage_s: float
+    block_s: float
+    calling: tuple[CollectiveCall, ...]
+
+
+def result_of(outcome: JobOutcome, path: str, rank: int, started: Started) -> SaveResult:
+    """The :class:`SaveResult` of a successful save on this rank."""
+    tm = outcome.timings
+    return SaveResult(
+        path=path, rank=rank, mode=outcome.kind.value, bytes_written=outcome.bytes_written,
+        timings=PhaseTimings(started.plan_s, started.stage_s, tm.get("write", 0.0), tm.get("coordinate", 0.0),
+                             tm.get("publish", 0.0), started.block_s, max(outcome.finished_at - started.at, 0.0)),
+        collectives_calling_thread=started.calling, collectives_background=outcome.collectives,
+        published=outcome.published, warnings=outcome.warnings)
+
+
 def error_of(outcome: JobOutcome, path: str) -> CheckpointError:
     """The error every rank raises for a failed save."""
     if outcome.error_kind is ErrorKind.DRIFT:

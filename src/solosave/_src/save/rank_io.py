@@ -1,0 +1,190 @@
+"""What one rank writes in a save (background: worker process or thread, every rank).
+
+:class:`RankIO` is owned by the rank's :class:`~solosave._src.save.engine.Engine`, which hands it to
+the collective path (``save/collective.py``) and to the reuse path (``save/reuse.py``). It calls
+no collective. Per save, in this order:
+
+1. every rank writes its data files: :meth:`RankIO.write` (collective path: the items the
+   coordinator assigned to it) or :meth:`RankIO.write_prepared` (reuse path: the layout the
+   prepared metadata gives it);
+2. the coordinator only: :meth:`RankIO.write_index` (the load index; a failure is a warning,
+   returned), then :meth:`RankIO.publish` (``.metadata``, last, atomically). On the reuse path the
+   coordinator instead stages ``.metadata`` beside its data write (:meth:`RankIO.make_directory`,
+   :meth:`RankIO.write_index`, :meth:`RankIO.stage_metadata`, on a thread) and renames it in.
+
+Between saves it keeps the tensor records of the last save (views of the staging buffer's
+mapping) and the reuse write of the last structure (:class:`ReuseProgram`): a save of an
+unchanged structure looks them up instead of rebuilding them.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from solosave._src.coordination.protocol import ItemSpec, PlacedItem, ReusePlan, SaveJob, StagedItem, WriteResult
+from solosave._src.core.errors import describe
+from solosave._src.formats.metadata_template import MetadataTemplate
+from solosave._src.index import writer as index
+from solosave._src.save.buffer import BufferReader
+from solosave._src.save.publish import publish_metadata, stage_metadata, unpublish
+from solosave._src.save.writer import FileWriter, Record
+from solosave._src.storage.storage import StagedCommit, is_url, storage_for
+
+Files = list[tuple[str, list[Record]]]
+
+
+@dataclass(slots=True)
+class ReuseProgram:
+    """What a reuse save of one structure writes, worked out once per structure instead of per
+    save: each file's items as positions in the job's staged items, the slots of BYTES items,
+    the placed items, the tensor records (over the reader's current mapping) and the results of
+    the last write that passed the layout check (``checked``, set by the reuse path)."""
+
+    plan: ReusePlan
+    specs: tuple[ItemSpec, ...]
+    files: list[tuple[str, list[int]]]
+    pad: dict
+    placed: list[PlacedItem]
+    checked: list[WriteResult] | None = None
+    tensor_records: list[list[Record | None]] | None = None
+    mapping: object = None
+
+
+class RankIO:
+    """This rank's data files, and on the coordinator the load index and ``.metadata`` (see the
+    module docstring). ``writer`` writes the files; ``storage_options`` are those of URL
+    destinations."""
+
+    def __init__(self, rank: int, writer: FileWriter, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.rank = rank
+        self.writer = writer
+        self.storage_options = storage_options
+        self.reader = BufferReader()
+        #: The record of each tensor item written by the last save, by item identity: a job of an
+        #: unchanged structure brings the same items and the reader the same views, so the
+        #: records are looked up, not rebuilt.
+        self._records: dict[int, Record] = {}
+        #: The reuse write of the last structure (:meth:`write_prepared`).
+        self.reuse_program: ReuseProgram | None = None
+
+    def close(self) -> None:
+        self._records = {}  # they hold views of the mapping the reader closes
+        self.reuse_program = None
+        self.reader.close()
+
+    # -- data files (every rank) ----------------------------------------------------------------
+    def write(self, job: SaveJob, files: list[tuple[str, list[StagedItem]]], pad: dict,
+              timings: dict[str, float]) -> list[WriteResult]:
+        """Collective path: write this rank's ``files`` of ``job`` (``pad``: slot length per BYTES
+        item key)."""
+        t0 = time.perf_counter()
+        todo = [(name, [self._record(job, it, pad) for it in items]) for name, items in files]
+        kept = [it for _, items in files for it in items]
+        self.reader.keep_only(kept)
+        if len(self._records) > sum(it.payload is None for it in kept):
+            self._records = {k: r for k, r in ((id(it), self._records.get(id(it))) for it in kept) if r is not None}
+        timings["write"] += time.perf_counter() - t0
+        return self._write_records(job, todo, timings)
+
+    def write_prepared(self, job: SaveJob, plan: ReusePlan,
+                       timings: dict[str, float]) -> tuple[list[WriteResult], ReuseProgram]:
+        """Reuse path: write ``job`` in the layout ``plan`` gives this rank. Returns the write
+        results and the structure's :class:`ReuseProgram` (its placed items, to check the
+        results against)."""
+        program = self._program(job, plan)
+        return self._write_records(job, self._program_records(job, program), timings), program
+
+    def _write_records(self, job: SaveJob, todo: Files, timings: dict[str, float]) -> list[WriteResult]:
+        """Write ``todo`` (each file's records) into ``job``'s directory."""
+        t0 = time.perf_counter()
+        storage_for(job.directory, self.storage_options).makedirs(job.directory)
+        unpublish(job.directory, self.storage_options)  # never an old .metadata next to new data
+        try:
+            return self.writer.write_files(job.directory, todo)
+        finally:
+            del todo  # the records hold views of the staging buffer
+            timings["write"] += time.perf_counter() - t0
+
+    def _record(self, job: SaveJob, it: StagedItem, pad: dict) -> Record:
+        if it.payload is not None:
+            return Record(it.spec.key, payload=it.payload, pad_to=pad.get(it.spec.key))
+        view = self.reader.tensor(job.staged, it)
+        hit = self._records.get(id(it))
+        if hit is not None and hit.tensor is view:  # the reader's view of this very item
+            return hit
+        rec = self._records[id(it)] = Record(it.spec.key, tensor=view)
+        return rec
+
+    def _program(self, job: SaveJob, plan: ReusePlan) -> ReuseProgram:
+        """The reuse write of ``job``'s structure: the last one if the job brings the same plan
+        and item specs (as every job of an unchanged structure does), else a new one."""
+        items = job.staged.items
+        p = self.reuse_program
+        if (p is not None and p.plan is plan and len(p.specs) == len(items)
+                and all(map(operator.is_, p.specs, [it.spec for it in items]))):
+            return p
+        at = {it.spec.key: i for i, it in enumerate(items)}
+        placed = plan.placed()
+        files = [(rel, [at[x.key] for x in xs]) for rel, xs in plan.layout]
+        pad = {x.key: x.length for x in placed if items[at[x.key]].payload is not None}
+        self.reader.keep_only(list(items))  # a new structure: the views and records of the last go
+        self._records = {}
+        self.reuse_program = p = ReuseProgram(plan, tuple(it.spec for it in items), files, pad, placed)
+        return p
+
+    def _program_records(self, job: SaveJob, p: ReuseProgram) -> Files:
+        """Each file's records for ``job``: the program's tensor records while the reader keeps
+        its mapping, and new records of the BYTES items' payloads."""
+        items = job.staged.items
+        mapping = self.reader.mapping(job.staged)
+        if p.tensor_records is None or p.mapping is not mapping:
+            p.tensor_records = [[None if items[i].payload is not None else self._record(job, items[i], p.pad)
+                                 for i in idx] for _, idx in p.files]
+            p.mapping = mapping
+        return [(rel, [r if r is not None else self._record(job, items[i], p.pad) for r, i in zip(recs, idx)])
+                for (rel, idx), recs in zip(p.files, p.tensor_records)]
+
+    # -- the load index and .metadata (coordinator) ---------------------------------------------
+    def make_directory(self, job: SaveJob) -> None:
+        """Create ``job``'s directory (where it has directories)."""
+        storage_for(job.directory, self.storage_options).makedirs(job.directory)
+
+    def write_index(self, job: SaveJob, source: Callable[[], tuple[bytes | None, MetadataTemplate]],
+                    save_id: str, timings: dict[str, float]) -> str | None:
+        """Coordinator, before :meth:`publish`: the load index of the ``.metadata`` that the
+        template renders with ``save_id`` (``index/writer``; ``source()``: the index body, ``None``
+        for none, and the template). The index only speeds loads up: a failure to read its body
+        or to write it is returned as a warning, else ``None`` (loads then read ``.metadata``; an
+        index left by an earlier save does not match this ``.metadata``'s ``save_id`` and is
+        not used)."""
+        if is_url(job.directory):  # URL loads read .metadata (DCP's read path)
+            return None
+        t0 = time.perf_counter()
+        warning = None
+        try:
+            body, template = source()
+            if body is None:
+                return None
+            index.write(job.directory, index.render(body, template, os.fspath(job.directory), save_id),
+                        fsync=self.writer.fsync, storage_options=self.storage_options)
+        except Exception as e:  # noqa: BLE001 - the checkpoint is complete without it
+            warning = (f"the load index of {job.directory} was not written ({describe(e)}); "
+                       "loads of this checkpoint read the whole .metadata")
+        timings["publish"] += time.perf_counter() - t0
+        return warning
+
+    def publish(self, job: SaveJob, data: bytes | Sequence[bytes], timings: dict[str, float]) -> None:
+        """Coordinator: write ``.metadata`` last, atomically."""
+        t0 = time.perf_counter()
+        publish_metadata(job.directory, data, fsync=self.writer.fsync, storage_options=self.storage_options)
+        timings["publish"] += time.perf_counter() - t0
+
+    def stage_metadata(self, job: SaveJob, data: Sequence[bytes]) -> StagedCommit:
+        """Coordinator: ``.metadata``'s bytes in a temporary file beside it; the caller finishes
+        (renames it in) or discards it."""
+        return stage_metadata(job.directory, data, fsync=self.writer.fsync, storage_options=self.storage_options)

@@ -1,0 +1,214 @@
+"""The reuse path of a save (background, every rank): the prepared metadata gives every rank its
+layout, and a steady save needs one 8-byte ``all_reduce``.
+
+Who calls what, in order (every rank runs :func:`run_reuse` for the same job):
+
+1. coordinator: starts a thread (:class:`Ahead`) that, beside its data write, writes the load
+   index and stages ``.metadata`` in a temporary file (both are known before the save: the
+   prepared body and template, this save's ``save_id``);
+2. every rank: writes the prepared layout (``RankIO.write_prepared``) and checks it
+   (``plan/layout.check_layout``, both directions): status ok, drifted or failed;
+3. every rank: **one** ``all_reduce_and`` of the status word, which also carries the save's
+   identity (``coordination/status``): ranks running different saves raise :class:`OutOfStep`;
+4. agreed ok: the coordinator publishes (renames the staged ``.metadata``, else writes it) and
+   posts a receipt that the other ranks wait for (a store key, not a collective), so every rank
+   knows whether the save was published. Agreed failed: every rank all-gathers the errors
+   (failure path only). Agreed drifted: with ``on_layout_drift="raise"`` every rank all-gathers
+   the drifts; with ``"fallback"`` every rank runs the collective path
+   (``save/collective.run_collective``) for this save, which refreshes the prepared metadata.
+
+Like the collective path it reads the engine's state only through its arguments and returns the
+outcome (with the coordinator's warnings) and the template a fallback made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from solosave._src.coordination.channel import Channel, OutOfStep
+from solosave._src.coordination.protocol import (
+    EngineSettings,
+    ErrorKind,
+    JobOutcome,
+    SaveJob,
+    SaveKind,
+    Status,
+    WriteResult,
+    decode_status,
+    encode_status,
+)
+from solosave._src.core.errors import describe
+from solosave._src.plan.layout import check_layout
+from solosave._src.prepared.prepared import PreparedMetadata
+from solosave._src.save.collective import MadeTemplate, run_collective
+from solosave._src.save.rank_io import RankIO
+from solosave._src.storage.storage import StagedCommit
+
+
+def run_reuse(channel: Channel, settings: EngineSettings, io: RankIO, job: SaveJob,
+              prepared: PreparedMetadata | None, timings: dict[str, float]) -> tuple[JobOutcome, MadeTemplate | None]:
+    """Run the reuse path of ``job`` on this rank (see the module docstring). ``prepared``: the
+    prepared metadata of the job's token (``None`` only for a job that fails this save).
+    Returns this rank's outcome and, when the save fell back to the collective path and this
+    rank is the coordinator, the template it published."""
+    save_id = str(uuid.uuid4())
+    ahead = _start_ahead(channel, io, job, prepared, save_id)
+    made = None
+    try:
+        status, drifts, results, err = write_and_check(io, job, timings)
+        agreed = decode_status(channel.all_reduce_and(encode_status(status, job.identity)), job.identity)
+        if agreed is None:
+            raise OutOfStep(f"this rank's save {job.seq} to {job.directory} met a different save "
+                            "of another rank in the status all_reduce")
+        if agreed == Status.OK:
+            out = _publish(channel, io, job, prepared, results, save_id, ahead, timings)
+        elif agreed == Status.FAILED:
+            reports = channel.all_gather_object(err)
+            out = JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.FAILED,
+                             failures={r: e for r, e in enumerate(reports) if e is not None})
+        elif settings.on_layout_drift == "raise":
+            reports = channel.all_gather_object(drifts)
+            out = JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.DRIFT,
+                             drifts={r: d for r, d in enumerate(reports) if d})
+        else:  # results: what this rank already wrote (None if it wrote nothing); the fallback keeps it
+            out, made = run_collective(channel, settings, io, job, timings, prewritten=results, drifts=drifts)
+    finally:
+        if ahead is not None:  # bounded; a late thread discards what it staged itself
+            staged = ahead.take(channel.timeout)
+            if staged is not None:
+                staged.discard()
+    if ahead is not None and ahead.warnings:
+        out = dataclasses.replace(out, warnings=out.warnings + ahead.warnings)
+    return out, made
+
+
+def write_and_check(io: RankIO, job: SaveJob, timings: dict[str, float]
+                    ) -> tuple[Status, list[str], list[WriteResult] | None, str | None]:
+    """Every rank: write the prepared layout and check it: ``(status, drifts, results, error)``.
+    A write that matches the last one checked for this structure is not checked again."""
+    if job.abort is not None:
+        return Status.FAILED, [], None, job.abort
+    plan = job.reuse
+    if plan is None:
+        return Status.FAILED, [], None, "internal: a reuse job without a reuse plan"
+    if plan.drift:
+        return Status.DRIFT, list(plan.drift), None, None
+    try:
+        results, program = io.write_prepared(job, plan, timings)
+    except Exception as e:  # noqa: BLE001 - becomes status FAILED on every rank
+        return Status.FAILED, [], None, describe(e)
+    if results == program.checked:  # what this structure wrote last time, checked then
+        return Status.OK, [], results, None
+    drifts = check_layout(program.placed, results)
+    if not drifts:
+        program.checked = results
+    return (Status.DRIFT if drifts else Status.OK), drifts, results, None
+
+
+def _publish(channel: Channel, io: RankIO, job: SaveJob, prepared: Any, results: list[WriteResult] | None,
+             save_id: str, ahead: Ahead | None, timings: dict[str, float]) -> JobOutcome:
+    """Every rank wrote the prepared layout (and the coordinator the load index): the
+    coordinator publishes (renames the ``.metadata`` its thread staged, else writes it now) and
+    posts a receipt; the other ranks wait for it (bounded)."""
+    error = None
+    if channel.is_coordinator:
+        staged = None
+        if ahead is not None:
+            t0 = time.perf_counter()
+            staged = ahead.take(channel.timeout)
+            timings["publish"] += time.perf_counter() - t0
+        try:
+            if staged is not None:
+                t0 = time.perf_counter()
+                staged.finish()
+                timings["publish"] += time.perf_counter() - t0
+            else:
+                io.publish(job, prepared.template.render_parts(os.fspath(job.directory), save_id), timings)
+        except Exception as e:  # noqa: BLE001 - reported to every rank through the receipt
+            error = f"publishing failed: {describe(e)}"
+        finally:
+            if staged is not None:  # published (finish() ran) or not: never a file left behind
+                staged.discard()
+        channel.post_receipt(job.seq, error)
+    else:
+        error = channel.wait_receipt(job.seq, channel.timeout)
+    ok = error is None
+    return JobOutcome(job.seq, ok, SaveKind.REUSE, None if ok else ErrorKind.FAILED,
+                      bytes_written=sum(r[3] for r in results or ()),
+                      failures={} if ok else {channel.coordinator: error}, published=ok)
+
+
+def _start_ahead(channel: Channel, io: RankIO, job: SaveJob, prepared: PreparedMetadata | None,
+                 save_id: str) -> Ahead | None:
+    """Coordinator of a reuse save: while this rank writes its data, a thread writes the load
+    index and stages ``.metadata`` (:meth:`RankIO.stage_metadata`). :func:`_publish` takes the
+    staged file and renames it into place; any other outcome discards it."""
+    if not channel.is_coordinator or prepared is None or job.abort is not None:
+        return None
+
+    def run(ahead: Ahead) -> None:
+        try:  # it may run before this rank's data write creates the directory
+            io.make_directory(job)
+        except Exception:  # noqa: BLE001 - the data write meets (and reports) the same error
+            return
+        warning = io.write_index(job, lambda: (prepared.index_body, prepared.template), save_id, defaultdict(float))
+        if warning is not None:
+            ahead.warn(warning)
+        try:
+            ahead.offer(io.stage_metadata(job, prepared.template.render_parts(os.fspath(job.directory), save_id)))
+        except Exception:  # noqa: BLE001,S110 - publishing writes it whole, and reports its error
+            pass
+
+    return Ahead(run)
+
+
+class Ahead:
+    """The coordinator's thread beside a reuse save's data write (``run(self)``, started here),
+    the ``.metadata`` it staged and its warnings: :meth:`offer` and :meth:`warn` (the thread) and
+    :meth:`take` (the reuse path) meet under a lock, so a commit offered after the reuse path
+    stopped waiting is discarded by the thread itself, and a late warning is dropped."""
+
+    def __init__(self, run: Callable[[Ahead], None]) -> None:
+        self._lock = threading.Lock()
+        self._staged: StagedCommit | None = None
+        self._warnings: list[str] = []
+        self._taken = False
+        self._deadline: float | None = None
+        self.thread = threading.Thread(target=run, args=(self,), name="solosave-ahead", daemon=True)
+        self.thread.start()
+
+    def offer(self, staged: StagedCommit) -> None:
+        with self._lock:
+            if not self._taken:
+                self._staged = staged
+                return
+        staged.discard()
+
+    def warn(self, warning: str) -> None:
+        with self._lock:
+            if not self._taken:
+                self._warnings.append(warning)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """The thread's warnings offered before :meth:`take`."""
+        with self._lock:
+            return tuple(self._warnings)
+
+    def take(self, timeout: float) -> StagedCommit | None:
+        """Wait for the thread (every call together waits at most ``timeout`` seconds) and take
+        what it staged; the caller finishes or discards it. Later offers are discarded."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + timeout
+        self.thread.join(max(self._deadline - time.monotonic(), 0.0))
+        with self._lock:
+            self._taken = True
+            staged, self._staged = self._staged, None
+            return staged
