@@ -51,8 +51,8 @@ from solosave._src.prepared.convert import prepared_from_columns
 from solosave._src.prepared.prepared import PreparedMetadata, open_sectioned, write_prepared_bytes
 from solosave._src.prepared.sections import SectionReader
 from solosave._src.save.writer import bytes_slot
+from solosave._src.storage.registry import storage_for
 from solosave._src.storage.sources import BytesSource
-from solosave._src.storage.storage import basename, storage_for
 
 if TYPE_CHECKING:  # the engine calls this module; it is only named here
     from solosave._src.save.engine import Engine
@@ -196,7 +196,8 @@ def _persist_prepared(engine: Engine, blob: bytes) -> PreparedMetadata:
     if not path:
         return in_memory
     try:
-        if basename(path) == METADATA_FILE or storage_for(path, options).isdir(path):
+        storage = storage_for(path, options)
+        if storage.basename(path) == METADATA_FILE or storage.isdir(path):
             engine.warnings.append(f"the prepared metadata came from checkpoint {path}, which is never "
                                    "written into; the refreshed prepared metadata is kept in memory")
             return in_memory

@@ -69,7 +69,8 @@ from solosave._src.save.buffer import BufferReader
 from solosave._src.save.collective import run_collective
 from solosave._src.save.publish import publish_metadata, stage_metadata, unpublish
 from solosave._src.save.writer import FileWriter, Record
-from solosave._src.storage.storage import StagedCommit, is_url, storage_for
+from solosave._src.storage.base import Commit
+from solosave._src.storage.registry import backend_for, storage_for
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
             "AsyncCheckpointer on every rank")
@@ -187,7 +188,7 @@ class Engine:
         none, and the template). The index only speeds loads up: a failure to read its body or write it is a
         warning (loads then read ``.metadata``; an index left by an earlier save does not match
         this ``.metadata``'s ``save_id`` and is not used)."""
-        if is_url(job.directory):  # URL loads read .metadata (DCP's read path)
+        if not backend_for(job.directory).load_index:  # loads there read .metadata
             return
         t0 = time.perf_counter()
         try:
@@ -325,7 +326,7 @@ class Engine:
         return run_collective(self, job, timings, prewritten=results, drifts=drifts)
 
     def _reuse_publish(self, job: SaveJob, prepared: Any, results: list | None, save_id: str,
-                       staged: StagedCommit | None, timings: dict[str, float]) -> JobOutcome:
+                       staged: Commit | None, timings: dict[str, float]) -> JobOutcome:
         """Every rank wrote the prepared layout (and the coordinator the load index): the
         coordinator publishes (renames the ``.metadata`` it staged, else writes it now), the
         others wait for its receipt."""
@@ -388,20 +389,20 @@ class _Ahead:
 
     def __init__(self, run: Callable[[_Ahead], None]) -> None:
         self._lock = threading.Lock()
-        self._staged: StagedCommit | None = None
+        self._staged: Commit | None = None
         self._taken = False
         self._deadline: float | None = None
         self.thread = threading.Thread(target=run, args=(self,), name="solosave-ahead", daemon=True)
         self.thread.start()
 
-    def offer(self, staged: StagedCommit) -> None:
+    def offer(self, staged: Commit) -> None:
         with self._lock:
             if not self._taken:
                 self._staged = staged
                 return
         staged.discard()
 
-    def take(self, timeout: float) -> StagedCommit | None:
+    def take(self, timeout: float) -> Commit | None:
         """Wait for the thread (every call together waits at most ``timeout`` seconds) and take
         what it staged; the caller finishes or discards it. Later offers are discarded."""
         if self._deadline is None:
