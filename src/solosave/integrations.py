@@ -42,7 +42,7 @@ from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_meta
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args
 from solosave._src.save.result import SaveResult
-from solosave._src.storage.storage import basename, join, storage_for
+from solosave._src.storage.registry import backend_for, storage_for
 from solosave._src.tools.retention import Pruner, remove_checkpoint
 
 log = logging.getLogger("solosave")
@@ -115,13 +115,13 @@ def _checkpointer_options(args: argparse.Namespace, prepared: PreparedMetadata |
     if prepared is not None:
         return options_from_args(args, CheckpointerOptions, prepared_metadata=prepared)
     return options_from_args(args, CheckpointerOptions, create_prepared_metadata=True,
-                             prepared_metadata=os.path.join(args.save, "prepared.metadata"))
+                             prepared_metadata=backend_for(args.save).join(args.save, "prepared.metadata"))
 
 
 # -- the checkpoint directory ------------------------------------------------------------------
 def checkpoint_dir(save_dir: str | os.PathLike, step: int) -> str:
     """``<save_dir>/iter_{step:07d}`` (``save_dir`` a local path or a URL)."""
-    return join(save_dir, f"iter_{step:07d}")
+    return backend_for(save_dir).join(save_dir, f"iter_{step:07d}")
 
 
 def _iter_names(save_dir: str | os.PathLike, storage_options: StorageOptions) -> list[str]:
@@ -144,8 +144,8 @@ def published_checkpoints(save_dir: str | os.PathLike, storage_options: StorageO
     storage = storage_for(save_dir, storage_options)
     out = []
     for name in _iter_names(save_dir, storage_options):
-        path = join(save_dir, name)
-        if storage.isfile(join(path, METADATA_FILE)):
+        path = storage.join(save_dir, name)
+        if storage.isfile(storage.join(path, METADATA_FILE)):
             out.append((int(_ITER_RE.match(name).group(1)), path))  # type: ignore[union-attr]
     return sorted(out)
 
@@ -177,7 +177,7 @@ def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, kee
     for name in _iter_names(save_dir, storage_options):
         step = int(_ITER_RE.match(name).group(1))  # type: ignore[union-attr]
         if step < limit and step not in keep:
-            out.append((step, join(save_dir, name)))
+            out.append((step, backend_for(save_dir).join(save_dir, name)))
     return [path for _, path in sorted(out)]
 
 
@@ -330,14 +330,15 @@ class CheckpointManager:
 
     def _mark_latest(self, done: PublishedSave) -> None:
         """Replace ``latest`` at once (a rename locally, one object write on an object store)."""
-        storage_for(self.save_dir, self.storage_options).commit(
-            join(self.save_dir, LATEST_FILE), (basename(done.path) + "\n").encode())
+        storage = storage_for(self.save_dir, self.storage_options)
+        storage.commit(storage.join(self.save_dir, LATEST_FILE), (storage.basename(done.path) + "\n").encode())
 
 
 def read_latest_marker(save_dir: str | os.PathLike, storage_options: StorageOptions = None) -> str | None:
     """The checkpoint name in ``<save_dir>/latest``, or ``None``."""
     try:
-        data = storage_for(save_dir, storage_options).read(join(save_dir, LATEST_FILE))
+        storage = storage_for(save_dir, storage_options)
+        data = storage.read(storage.join(save_dir, LATEST_FILE))
     except FileNotFoundError:
         return None
     return data.decode().strip() or None

@@ -151,7 +151,7 @@ def _touch(path: str | None, text: str = "") -> None:
 
 
 class _BlockingOs:
-    """Stands in for ``os`` inside ``solosave._src.save.publish`` of one worker process: ``replace`` onto
+    """Stands in for ``os`` inside ``solosave._src.storage.local`` of one worker process: ``replace`` onto
     ``dst`` signals ``marker`` and blocks (the temporary file is complete and fsynced by then)."""
 
     def __init__(self, real: Any, dst: str, marker: str, block_s: float) -> None:
@@ -168,10 +168,10 @@ class _BlockingOs:
 
 
 def _install_blocking_replace(dst: str, marker: str, block_s: float) -> None:
-    import solosave._src.storage.storage as publish  # where atomic_write (temp file, fsync, rename) lives
+    import solosave._src.storage.local as local  # where RenameCommit (temp file, fsync, rename) lives
 
-    if not isinstance(publish.os, _BlockingOs):
-        publish.os = _BlockingOs(os, dst, marker, block_s)
+    if not isinstance(local.os, _BlockingOs):
+        local.os = _BlockingOs(os, dst, marker, block_s)
 
 
 def wait_for_file(path: str, timeout: float = 30.0) -> float:

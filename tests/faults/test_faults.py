@@ -127,7 +127,7 @@ def test_coordinator_killed_before_rename(tmp_path, case_log, what):
 
 _CHILD = r"""
 import os, sys, time
-import solosave._src.storage.storage as P
+from solosave._src.storage.local import LocalStorage
 point, path, data = sys.argv[1], sys.argv[2], sys.argv[3].encode()
 real_replace, real_fsync = os.replace, os.fsync
 def fsync(fd):
@@ -139,7 +139,7 @@ def replace(a, b):
         print("READY", flush=True); time.sleep(60)
     return real_replace(a, b)
 os.fsync, os.replace = fsync, replace
-P.atomic_write(path, data)
+LocalStorage().commit(path, data)
 """
 
 

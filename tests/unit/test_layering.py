@@ -180,7 +180,7 @@ def _plant(path: pathlib.Path, line: str) -> None:
     ("core/errors.py", "from solosave._src.save.engine import Engine", "save is above core"),
     ("plan/layout.py", "if True:\n    from solosave._src.prepared.sections import SectionReader", "prepared is above plan"),
     ("save/engine.py", "from solosave._src.load.load import load", "on one level"),
-    ("storage/storage.py", "import solosave.integrations", "never imports the public modules"),
+    ("storage/local.py", "import solosave.integrations", "never imports the public modules"),
     ("save/engine.py", "from solosave._src.plan.local_plan import _is_dtensor", "private names stay in their folder"),
 ])
 def test_a_planted_breach_is_named(tmp_path, module, line, expected):

@@ -5,7 +5,7 @@ below it (``tests/unit/test_layering.py`` enforces it)::
 
     core       exceptions, CRC32, progress, small utilities
     formats    DCP file names and keys, safe unpickling, the .metadata template, torch.save records
-    storage    local paths and fsspec URLs, object uploads, read sources, write-back
+    storage    the Storage protocol, its registry, local files, fsspec URLs and uploads, read sources, write-back
     coordination  the protocol's messages, the status word, the Channel (every collective), rendezvous
     plan       pure planning: local plan, structure cache, chunks, global plan, columns, layout
     index      the load index: writer and reader

@@ -10,7 +10,7 @@ import os
 import statistics
 from typing import Any
 
-from solosave._src.storage.storage import basename, join, storage_for
+from solosave._src.storage.registry import backend_for, storage_for
 
 
 class Reporter:
@@ -43,11 +43,11 @@ class Reporter:
         rec: dict[str, Any] = {"event": "save", "step": done.step, "path": done.path}
         if done.error is not None:
             rec.update(ok=False, error=str(done.error))
-            self.bar.write(f"save  {basename(done.path)}  FAILED: {done.error}")
+            self.bar.write(f"save  {backend_for(done.path).basename(done.path)}  FAILED: {done.error}")
         else:
             r = done.result
             storage = storage_for(done.path, self.storage_options)  # a local path or a URL
-            total_bytes = sum(storage.size(join(done.path, f)) for f in storage.listdir(done.path)
+            total_bytes = sum(storage.size(storage.join(done.path, f)) for f in storage.listdir(done.path)
                               if f.endswith(".distcp"))
             loop = sum(v["count"] for v in r.collectives("calling_thread").values())
             allc = r.collectives("all")
@@ -58,7 +58,7 @@ class Reporter:
                        collective_bytes=sum(v["bytes"] for v in allc.values()), collectives=allc)
             kinds = ", ".join(f"{k} x{v['count']} ({v['bytes']} B)" for k, v in allc.items())
             self.bar.write(
-                f"save  {basename(done.path)}  step {done.step:>5}  mode={r.mode:<15} "
+                f"save  {storage.basename(done.path)}  step {done.step:>5}  mode={r.mode:<15} "
                 f"block {rec['block_ms']:7.2f} ms  published after {rec['to_published_ms']:8.1f} ms  "
                 f"{total_bytes / 1e6:6.2f} MB  collectives in loop {loop} / total "
                 f"{rec['collectives_total']} [{kinds}]")

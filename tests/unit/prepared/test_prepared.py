@@ -10,7 +10,7 @@ import solosave
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.prepared.prepared import FORMAT_VERSION, MAGIC, Fingerprint, metadata_structure_hash
 from solosave._src.save.options import CheckpointerOptions
-from solosave._src.storage.storage import atomic_write
+from solosave._src.storage.local import LocalStorage
 from tests.support import dcp_save_local
 
 
@@ -20,7 +20,7 @@ def write_v1_file(path, metadata, pickled):
     protocol-2 pickle of a ``Metadata``."""
     fp = Fingerprint(1, 1, metadata_structure_hash(metadata), torch.__version__)
     head = json.dumps({**fp.fields(), "format_version": 1}, sort_keys=True).encode()
-    atomic_write(path, b"".join((MAGIC, b"1\n", head, b"\n", pickled)))
+    LocalStorage().commit(str(path), b"".join((MAGIC, b"1\n", head, b"\n", pickled)))
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_template_render_is_read_by_stock_dcp(ckpt_dir, tmp_path):
 
     d = tmp_path / "copy"
     shutil.copytree(ckpt_dir, d)
-    atomic_write(d / ".metadata", tpl.render(str(d)))
+    LocalStorage().commit(str(d / ".metadata"), tpl.render(str(d)))
     sd = {"w": torch.zeros(4, 4), "step": 0, "l": []}
     dcp.load(sd, checkpoint_id=str(d), no_dist=True)
     ref = {"w": torch.zeros(4, 4), "step": 0, "l": []}
@@ -119,9 +119,9 @@ def test_template_render_is_read_by_stock_dcp(ckpt_dir, tmp_path):
     assert torch.equal(sd["w"], ref["w"]) and sd["step"] == 3 and sd["l"] == [1, 2]
 
 
-def test_atomic_write_leaves_no_temp(tmp_path):
-    atomic_write(tmp_path / "f", b"one")
-    atomic_write(tmp_path / "f", b"two")
+def test_local_commit_leaves_no_temp(tmp_path):
+    LocalStorage().commit(str(tmp_path / "f"), b"one")
+    LocalStorage().commit(str(tmp_path / "f"), b"two")
     assert (tmp_path / "f").read_bytes() == b"two"
     assert os.listdir(tmp_path) == ["f"]
 
@@ -227,7 +227,7 @@ def test_sectioned_round_trip_and_per_rank_reads_touch_only_header_and_own_secti
     from solosave._src.coordination.protocol import ItemKind, ItemSpec
     from solosave._src.plan.local_plan import LocalPlan
     from solosave._src.prepared.sections import SectionReader
-    from solosave._src.storage.sources import FileSource
+    from solosave._src.storage.sources import StorageSource
 
     blob, md = _sharded_prepared(world=64)
     path = tmp_path / "p.prepared"
@@ -252,7 +252,7 @@ def test_sectioned_round_trip_and_per_rank_reads_touch_only_header_and_own_secti
     assert pm.metadata.storage_data == md.storage_data
     assert pickle.loads(pm.template.render("/x", "s")).storage_meta.checkpoint_id == "/x"
     # a reader over a counting source reads nothing of other ranks' sections
-    src = FileSource(path)
+    src = StorageSource(path)
     r = SectionReader(src)
     r.rank_layout(63)
     assert src.bytes_read < 4096 + 16 + 2 + structure + 2000

@@ -328,12 +328,24 @@ def test_reuse_publishes_the_metadata_it_staged_and_leaves_no_temporary_file(ran
 
 def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_thread():
     from solosave._src.save.reuse import Ahead
-    from solosave._src.storage.storage import StagedCommit
+    from solosave._src.storage.base import Commit
 
     log = []
 
+    class Logged(Commit):  # a commit type that only records what was done with it
+        def _stage(self, data):
+            pass
+
+        def _finish(self):
+            log.append(f"finish {self.path}")
+
+        def _discard(self):
+            log.append(f"discard {self.path}")
+
     def commit(name):
-        return StagedCommit(lambda: log.append(f"finish {name}"), lambda: log.append(f"discard {name}"))
+        c = Logged(None, name)
+        c.stage(b"")
+        return c
 
     on_time = Ahead(lambda ahead: ahead.offer(commit("a")))
     staged = on_time.take(10)

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE, METADATA_VERSION, dtype_from_name
 from solosave._src.formats.metadata_template import pickled_str
 from solosave._src.index.writer import CRC, MAGIC, PREFIX, ROW, VERSION, IndexStale, IndexUnusable
-from solosave._src.storage.storage import pread_all
+from solosave._src.storage.local import pread_all
 
 try:  # torch >= 2.4 moved it; the field set is the same
     from torch.distributed.checkpoint.filesystem import _StorageInfo

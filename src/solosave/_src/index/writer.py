@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_VERSION, dtype_name, index_key
 from solosave._src.formats.metadata_template import MetadataTemplate, pickled_str
-from solosave._src.storage.storage import join, storage_for
+from solosave._src.storage.registry import storage_for
 
 if TYPE_CHECKING:  # _results imports _sections, which builds indexes: imported where used
     from solosave._src.plan.columns import ChunkTable, ResultColumns
@@ -195,4 +195,5 @@ def render(body: bytes, template: MetadataTemplate, checkpoint_id: str, save_id:
 def write(directory: str | os.PathLike, data: bytes, fsync: bool = True,
           storage_options: Mapping[str, Any] | None = None) -> None:
     """Write ``directory/.solosave-index`` (coordinator, before ``.metadata``), atomically."""
-    storage_for(directory, storage_options).commit(join(directory, INDEX_FILE), data, fsync=fsync)
+    st = storage_for(directory, storage_options)
+    st.commit(st.join(directory, INDEX_FILE), data, fsync=fsync)

@@ -49,7 +49,9 @@ from solosave._src.formats.safe_pickle import safe_loads
 from solosave._src.index.reader import IndexUnusable, LoadIndex, wanted_of
 from solosave._src.load.read_path import ReadStats, read_items
 from solosave._src.load.whole_reads import WholeRead, keeps_default, planning_the_rest, reads_in_place, whole_reads
-from solosave._src.storage.storage import DcpFileSystem, is_url, read_checkpoint_metadata, storage_for
+from solosave._src.storage.base import Storage
+from solosave._src.storage.dcp_filesystem import DcpFileSystem
+from solosave._src.storage.registry import storage_for
 
 log = logging.getLogger(__name__)
 
@@ -126,18 +128,21 @@ class SafeFileSystemReader(FileSystemReader):
         return md
 
 
-class SafeFsspecReader(SafeFileSystemReader):
-    """:class:`SafeFileSystemReader` for a URL (``s3://bucket/run/iter_0000100``): the same
-    checks, through the URL's fsspec storage (:mod:`solosave._src.storage.storage`; ``storage_options``:
-    keyword arguments of its filesystem); the records are read by DCP's own path."""
+class SafeStorageReader(SafeFileSystemReader):
+    """:class:`SafeFileSystemReader` for a storage without
+    :attr:`~solosave._src.storage.base.Storage.local_files` (a URL: ``s3://bucket/run/iter_0000100``):
+    the same checks, through the backend (``storage_options``: keyword arguments of its client);
+    the records are read by DCP's read path over
+    :class:`~solosave._src.storage.dcp_filesystem.DcpFileSystem`."""
 
     fast_read = False
 
-    def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None,
+                 storage: Storage | None = None) -> None:
         super().__init__(path)
-        self.storage = storage_for(path, storage_options)
+        self.storage = storage if storage is not None else storage_for(path, storage_options)
         self.storage_options = storage_options
-        self.fs = DcpFileSystem(self.storage)  # type: ignore[arg-type]
+        self.fs = DcpFileSystem(self.storage)
         self.path = self.fs.init_path(path)
 
     def read_data(self, plan: Any, planner: Any) -> Any:
@@ -151,7 +156,7 @@ class SafeFsspecReader(SafeFileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.metadata is None:
-            self.metadata = parse_metadata(read_checkpoint_metadata(self.path, self.storage_options), self.path)
+            self.metadata = parse_metadata(read_metadata_bytes(self.path, self.storage_options), self.path)
         return super().read_metadata(*args, **kwargs)
 
 
@@ -187,18 +192,19 @@ def parse_metadata(data: bytes, directory: str | os.PathLike) -> Metadata:
 
 
 def read_metadata_bytes(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bytes:
-    """The bytes of ``<path>/.metadata``; a clear error if the checkpoint is not published."""
-    if is_url(path):
-        return read_checkpoint_metadata(path, storage_options)  # type: ignore[arg-type]
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist")
-    try:
-        with open(os.path.join(os.fspath(path), METADATA_FILE), "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise PreparedMetadataError(
-            f"{os.fspath(path)}: no {METADATA_FILE}; this is not a published checkpoint (a failed or "
-            "unfinished save leaves none). Load an earlier checkpoint.") from None
+    """The bytes of ``<path>/.metadata`` (a local path or a URL): ``FileNotFoundError`` if there is
+    no such directory, :class:`~solosave.PreparedMetadataError` if the checkpoint is not published."""
+    st = storage_for(path, storage_options)
+    directory = os.fspath(path)
+    try:  # the file first: one request where listing a directory costs another
+        return st.read(st.join(directory, METADATA_FILE))
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    if not st.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    raise PreparedMetadataError(
+        f"{directory}: no {METADATA_FILE}; this is not a published checkpoint (a failed or unfinished save "
+        "leaves none). Load an earlier checkpoint.")
 
 
 def _share_metadata(path: str | os.PathLike, process_group: Any,
@@ -256,13 +262,15 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     path, with the same checks.
     """
     distributed = dist.is_available() and dist.is_initialized()
-    reader = SafeFsspecReader(path, storage_options) if is_url(path) else SafeFileSystemReader(path)
+    storage = storage_for(path, storage_options)
+    reader = (SafeFileSystemReader(path) if storage.local_files
+              else SafeStorageReader(path, storage_options, storage=storage))  # DCP's read path
     if planner is None:
         planner = SafeLoadPlanner(safe_globals)
     local = not distributed or _plans_locally(planner)
     rank = dist.get_rank(process_group) if distributed else 0
     loaded = False
-    if use_index and local and not is_url(path) and _index_planner(planner):
+    if use_index and local and storage.load_index and _index_planner(planner):
         loaded = _via_index(state_dict, path, reader, planner, rank, process_group, distributed)
         if loaded is None:
             return

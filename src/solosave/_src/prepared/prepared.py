@@ -19,7 +19,6 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,8 +37,8 @@ from solosave._src.plan.local_plan import LocalPlan
 from solosave._src.prepared.buckets import key_bucket
 from solosave._src.prepared.convert import sections_from_metadata
 from solosave._src.prepared.sections import READ_VERSIONS, RankLayout, SectionReader, is_sectioned
-from solosave._src.storage.sources import BytesSource, FileSource, Source, StorageSource
-from solosave._src.storage.storage import atomic_write, is_url, join, normalize_url, storage_for
+from solosave._src.storage.registry import storage_for
+from solosave._src.storage.sources import BytesSource, Source, StorageSource
 
 MAGIC = b"SOLOSAVE-PREPARED\n"
 FORMAT_VERSION = 3
@@ -308,13 +307,7 @@ def open_sectioned(path: str | os.PathLike, storage_options: Mapping[str, Any] |
     """The sectioned (version 3 or 2) prepared file at ``path`` (header read only), or ``None`` if ``path`` is
     not one (a directory, another format, missing: the caller reads it whole and explains)."""
     if source is None:
-        if is_url(path):
-            url = normalize_url(path)  # type: ignore[arg-type]
-            source = StorageSource(url, storage_options)
-        else:
-            if not os.path.isfile(path):
-                return None
-            source = FileSource(path)
+        source = StorageSource(path, storage_options)
         try:
             head = source.read(0, len(MAGIC) + 2)
         except (OSError, PreparedMetadataError):
@@ -322,17 +315,6 @@ def open_sectioned(path: str | os.PathLike, storage_options: Mapping[str, Any] |
         if not is_sectioned(head):
             return None
     return PreparedMetadata(SectionReader(source), source.where)
-
-
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise PreparedMetadataError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise PreparedMetadataError(f"{path}: is a directory without {METADATA_FILE}") from None
-    except OSError as e:
-        raise PreparedMetadataError(f"{path}: cannot read ({e})") from e
 
 
 def load_prepared_metadata(path: str | os.PathLike, *,
@@ -344,47 +326,44 @@ def load_prepared_metadata(path: str | os.PathLike, *,
     sectioned = open_sectioned(path, storage_options)
     if sectioned is not None:
         return sectioned
-    if is_url(path):
-        p, data = _read_url(path, storage_options)  # type: ignore[arg-type]
-    else:
-        p = Path(path)
-        if p.is_dir():
-            if not (p / METADATA_FILE).exists():
-                raise PreparedMetadataError(
-                    f"{p}: directory has no {METADATA_FILE} (not a published checkpoint; a save that "
-                    "failed or is still running leaves none)")
-            p = p / METADATA_FILE
-        data = _read(p)
+    p, data = _read_whole(path, storage_options)
     if data.startswith(MAGIC):
         return _parse_prepared(p, data)
     if not data:
         raise PreparedMetadataError(f"{p}: file is empty")
     with gc_paused():
-        md = safe_loads(data, what=str(p))
+        md = safe_loads(data, what=p)
     if not isinstance(md, Metadata):
         raise PreparedMetadataError(f"{p}: holds a {type(md).__name__}, not a DCP Metadata")
-    return _converted(md, None, str(p))
+    return _converted(md, None, p)
 
 
-def _read_url(url: str, storage_options: Mapping[str, Any] | None) -> tuple[str, bytes]:
-    """``(where, bytes)`` of a prepared file, ``.metadata`` or checkpoint directory at ``url``."""
-    url = normalize_url(url)
-    st = storage_for(url, storage_options)
+def _read_whole(path: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> tuple[str, bytes]:
+    """``(where, bytes)`` of a prepared file, ``.metadata`` or checkpoint directory at ``path``."""
+    st = storage_for(path, storage_options)
+    where = st.normalize(path)
     try:
-        return url, st.read(url)
+        return where, st.read(where)
     except (FileNotFoundError, IsADirectoryError):
         pass
-    if not st.isdir(url):
-        raise PreparedMetadataError(f"{url}: no such file")
+    except OSError as e:
+        raise PreparedMetadataError(f"{where}: cannot read ({e})") from e
+    if not st.isdir(where):
+        raise PreparedMetadataError(f"{where}: no such file")
+    inner = st.join(where, METADATA_FILE)
     try:
-        return join(url, METADATA_FILE), st.read(join(url, METADATA_FILE))
+        return inner, st.read(inner)
     except FileNotFoundError:
         raise PreparedMetadataError(
-            f"{url}: directory has no {METADATA_FILE} (not a published checkpoint; a save that failed "
+            f"{where}: directory has no {METADATA_FILE} (not a published checkpoint; a save that failed "
             "or is still running leaves none)") from None
+    except IsADirectoryError:
+        raise PreparedMetadataError(f"{inner}: is a directory without {METADATA_FILE}") from None
+    except OSError as e:
+        raise PreparedMetadataError(f"{inner}: cannot read ({e})") from e
 
 
-def _parse_prepared(p: Path | str, data: bytes) -> PreparedMetadata:
+def _parse_prepared(p: str, data: bytes) -> PreparedMetadata:
     rest = data[len(MAGIC):]
     try:
         version_line, json_line, payload = rest.split(b"\n", 2)
@@ -417,9 +396,9 @@ def save_prepared_metadata(prepared: PreparedMetadata | Metadata, path: str | os
 
 def write_prepared_bytes(path: str | os.PathLike, data: bytes,
                          storage_options: Mapping[str, Any] | None = None) -> None:
-    """Write the bytes of a prepared file atomically (local or URL)."""
-    if is_url(path):
-        storage_for(path, storage_options).commit(normalize_url(path), data)  # type: ignore[arg-type]
-        return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, data)
+    """Write the bytes of a prepared file atomically (the storage's commit), creating its
+    directory if needed."""
+    st = storage_for(path, storage_options)
+    where = st.normalize(path)
+    st.makedirs(st.dirname(where) or ".")
+    st.commit(where, data)

@@ -27,7 +27,7 @@ import torch
 
 from solosave._src.coordination.protocol import ItemSpec, StagedItem, StagedSave
 from solosave._src.formats.dcp import dtype_from_name
-from solosave._src.storage.storage import unlink_if_present
+from solosave._src.storage.local import unlink_if_present
 
 log = logging.getLogger("solosave")
 

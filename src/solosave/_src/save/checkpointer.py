@@ -28,7 +28,6 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -57,7 +56,7 @@ from solosave._src.save.session import SaveSession, normalize_directory
 from solosave._src.save.staging import Staging
 from solosave._src.save.worker import ProcessTransport, ThreadTransport
 from solosave._src.save.writer import FileWriter
-from solosave._src.storage.storage import check_local_path, check_url_destination, is_url, join, path_exists
+from solosave._src.storage.registry import storage_for
 
 log = logging.getLogger("solosave")
 
@@ -178,7 +177,8 @@ class AsyncCheckpointer:
         elif isinstance(pm, Metadata):
             prepared = PreparedMetadata.from_metadata(pm, source="prepared_metadata object")
         else:
-            if not path_exists(pm, o.storage_options):
+            st = storage_for(pm, o.storage_options)
+            if not st.exists(st.normalize(pm)):
                 if o.create_prepared_metadata:
                     return None
                 raise PreparedMetadataError(
@@ -275,31 +275,20 @@ class AsyncCheckpointer:
         threading.Thread(target=after_copies, name="solosave-submit", daemon=True).start()
 
     def _check_destination(self, path: str | os.PathLike, overwrite: bool) -> str:
+        """This rank's checks of ``path`` before staging (no collective), through its storage
+        (see :mod:`solosave._src.storage.base` for the calls); returns the normalized directory,
+        the same string an aborted save would use."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        if is_url(path):  # never through pathlib (it would make s3://b/x the local s3:/b/x)
-            return check_url_destination(path, overwrite, self.options.storage_options,  # type: ignore[arg-type]
-                                         self._known_buckets)
-        check_local_path(path)
-        p = Path(path)
-        if any(len(os.fsencode(part)) > 255 for part in p.parts):
-            raise ValueError(f"destination {os.fspath(p)!r} has a name longer than 255 bytes, the "
-                             "file-system limit; choose a shorter name")
-        if p.exists() and not p.is_dir():
-            raise ValueError(f"destination {os.fspath(p)!r} exists and is not a directory")
-        if (p / METADATA_FILE).exists() and not overwrite:
+        storage = storage_for(path, self.options.storage_options)
+        directory = storage.normalize(path)
+        storage.check_destination(directory)
+        if not overwrite and storage.exists(storage.join(directory, METADATA_FILE)):  # wrong credentials fail here
             raise CheckpointExistsError(
-                f"destination {os.fspath(p)!r} already holds a complete checkpoint; choose a new "
+                f"destination {directory!r} already holds a complete checkpoint; choose a new "
                 "directory or pass overwrite=True (its .metadata is removed before any data is written)")
-        try:
-            p.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"cannot create checkpoint directory {os.fspath(p)!r}: {e.strerror}; "
-                             "choose a writable location") from e
-        if not os.access(p, os.W_OK | os.X_OK):
-            raise ValueError(f"checkpoint directory {os.fspath(p)!r} is not writable; choose a "
-                             "writable location or fix its permissions")
-        return normalize_directory(p)  # the same string an aborted save would use
+        storage.prepare_destination(directory, self._known_buckets)
+        return directory
 
     # -- completion -------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
@@ -368,7 +357,8 @@ class AsyncCheckpointer:
         seq, path = f.handle.seq, f.handle.path
         late = [o for o in self._transport.leftover if o.seq == seq]
         try:
-            published = path_exists(join(path, METADATA_FILE), self.options.storage_options)
+            st = storage_for(path, self.options.storage_options)
+            published = st.exists(st.join(path, METADATA_FILE))
         except Exception:  # noqa: BLE001 - storage unreachable: reported as not published
             published = False
         complete(f.published, late[0] if late else JobOutcome(

@@ -59,8 +59,8 @@ from solosave._src.prepared.prepared import PreparedMetadata, open_sectioned, wr
 from solosave._src.prepared.sections import SectionReader
 from solosave._src.save.rank_io import RankIO
 from solosave._src.save.writer import bytes_slot
+from solosave._src.storage.registry import storage_for
 from solosave._src.storage.sources import BytesSource
-from solosave._src.storage.storage import basename, storage_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +231,8 @@ def _persist_prepared(blob: bytes, settings: EngineSettings, warnings: list[str]
     if not path:
         return in_memory
     try:
-        if basename(path) == METADATA_FILE or storage_for(path, options).isdir(path):
+        storage = storage_for(path, options)
+        if storage.basename(path) == METADATA_FILE or storage.isdir(path):
             warnings.append(f"the prepared metadata came from checkpoint {path}, which is never "
                             "written into; the refreshed prepared metadata is kept in memory")
             return in_memory

@@ -33,7 +33,8 @@ from solosave._src.index import writer as index
 from solosave._src.save.buffer import BufferReader
 from solosave._src.save.publish import publish_metadata, stage_metadata, unpublish
 from solosave._src.save.writer import FileWriter, Record
-from solosave._src.storage.storage import StagedCommit, is_url, storage_for
+from solosave._src.storage.base import Commit
+from solosave._src.storage.registry import backend_for, storage_for
 
 Files = list[tuple[str, list[Record]]]
 
@@ -162,7 +163,7 @@ class RankIO:
         or to write it is returned as a warning, else ``None`` (loads then read ``.metadata``; an
         index left by an earlier save does not match this ``.metadata``'s ``save_id`` and is
         not used)."""
-        if is_url(job.directory):  # URL loads read .metadata (DCP's read path)
+        if not backend_for(job.directory).load_index:  # loads there read .metadata
             return None
         t0 = time.perf_counter()
         warning = None
@@ -184,7 +185,7 @@ class RankIO:
         publish_metadata(job.directory, data, fsync=self.writer.fsync, storage_options=self.storage_options)
         timings["publish"] += time.perf_counter() - t0
 
-    def stage_metadata(self, job: SaveJob, data: Sequence[bytes]) -> StagedCommit:
+    def stage_metadata(self, job: SaveJob, data: Sequence[bytes]) -> Commit:
         """Coordinator: ``.metadata``'s bytes in a temporary file beside it; the caller finishes
         (renames it in) or discards it."""
         return stage_metadata(job.directory, data, fsync=self.writer.fsync, storage_options=self.storage_options)

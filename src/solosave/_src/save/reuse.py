@@ -49,7 +49,7 @@ from solosave._src.plan.layout import check_layout
 from solosave._src.prepared.prepared import PreparedMetadata
 from solosave._src.save.collective import MadeTemplate, run_collective
 from solosave._src.save.rank_io import RankIO
-from solosave._src.storage.storage import StagedCommit
+from solosave._src.storage.base import Commit
 
 
 def run_reuse(channel: Channel, settings: EngineSettings, io: RankIO, job: SaveJob,
@@ -177,14 +177,14 @@ class Ahead:
 
     def __init__(self, run: Callable[[Ahead], None]) -> None:
         self._lock = threading.Lock()
-        self._staged: StagedCommit | None = None
+        self._staged: Commit | None = None
         self._warnings: list[str] = []
         self._taken = False
         self._deadline: float | None = None
         self.thread = threading.Thread(target=run, args=(self,), name="solosave-ahead", daemon=True)
         self.thread.start()
 
-    def offer(self, staged: StagedCommit) -> None:
+    def offer(self, staged: Commit) -> None:
         with self._lock:
             if not self._taken:
                 self._staged = staged
@@ -202,7 +202,7 @@ class Ahead:
         with self._lock:
             return tuple(self._warnings)
 
-    def take(self, timeout: float) -> StagedCommit | None:
+    def take(self, timeout: float) -> Commit | None:
         """Wait for the thread (every call together waits at most ``timeout`` seconds) and take
         what it staged; the caller finishes or discards it. Later offers are discarded."""
         if self._deadline is None:

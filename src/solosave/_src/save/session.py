@@ -14,7 +14,6 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from solosave._src.coordination.protocol import ItemSpec, JobOutcome, Mode, SaveJob, SaveKind, StagedSave
@@ -23,7 +22,7 @@ from solosave._src.plan.structure import StructureCache
 from solosave._src.prepared.prepared import PreparedMetadata
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.staging import Stager, Staging
-from solosave._src.storage.storage import is_url, normalize_url
+from solosave._src.storage.registry import backend_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +134,12 @@ class SaveSession:
 
 
 def normalize_directory(path: Any) -> str:
-    """The directory string every rank derives alike from the ``path`` it was given (a URL as
-    itself, without trailing slashes: never through ``pathlib``)."""
-    if is_url(path):
-        return normalize_url(path)
+    """The directory string every rank derives alike from the ``path`` it was given (its storage
+    backend's :meth:`~solosave._src.storage.base.Storage.normalize`: a URL as itself, without
+    trailing slashes, never through ``pathlib``). Never raises: an aborted save uses it too."""
     if isinstance(path, (str, os.PathLike)):
-        return os.fspath(Path(path))
+        try:
+            return backend_for(path).normalize(path)
+        except (ImportError, ValueError):  # no usable backend (save() reports why): the path as given
+            return os.fspath(path)  # type: ignore[return-value]
     return repr(path)

@@ -32,8 +32,8 @@ from solosave._src.coordination.protocol import WriteResult
 from solosave._src.core.checksum import crc32
 from solosave._src.formats.dcp import CHECKSUM_FORMAT, ItemKey, checksum_path
 from solosave._src.formats.record_writer import CrcAhead, FrameCache, TensorFrame, raw_bytes, record_crc
-from solosave._src.storage.storage import is_url, storage_for
-from solosave._src.storage.upload import ObjectUpload
+from solosave._src.storage.base import DataFile
+from solosave._src.storage.registry import storage_for
 from solosave._src.storage.writeback import start_writeback, writev_all
 
 
@@ -211,12 +211,12 @@ class FileWriter:
             self.upload_concurrency = upload_concurrency
 
     def open(self, path: str) -> BinaryIO:
-        """A new file at ``path``; for a URL an :class:`~solosave._src.storage.upload.ObjectUpload`, whose
-        object appears only when :meth:`close` commits it."""
-        if is_url(path):
-            return storage_for(path, self.storage_options).open_upload(  # type: ignore[union-attr,return-value]
-                path, self.part_size, self.upload_concurrency)
-        return open(path, "wb")  # noqa: SIM115 - closed in write_file
+        """A new data file at ``path``: its storage's
+        :class:`~solosave._src.storage.base.DataFile` (a local file, an object upload whose object
+        appears only when :meth:`close` commits it); closed by :meth:`close` or, on an error,
+        abandoned by its own ``close()``."""
+        return storage_for(path, self.storage_options).open_data(  # type: ignore[return-value]
+            path, fsync=self.fsync, part_size=self.part_size, concurrency=self.upload_concurrency)
 
     def write_record(self, stream: BinaryIO, record: Record, crc: Callable[[], int] | None = None) -> None:
         """Write one record at the stream's position. A tensor record is ``torch.save``'s
@@ -251,21 +251,21 @@ class FileWriter:
         return {k: v for k, v in self.__dict__.items() if k != "_frames"}
 
     def close(self, stream: BinaryIO) -> None:
-        if isinstance(stream, ObjectUpload):  # no fsync: the object appears, whole, when committed
+        """Commit the data file (durable; an object appears now, whole)."""
+        if isinstance(stream, DataFile):
             stream.commit()
             return
-        stream.flush()
+        stream.flush()  # a plain file from a subclass's own open()
         if self.fsync:
             os.fsync(stream.fileno())
         stream.close()
 
     def write_file(self, directory: str, relative_path: str, records: Sequence[Record]) -> list[WriteResult]:
-        path = os.path.join(directory, relative_path)
+        storage = storage_for(directory, self.storage_options)
+        path = storage.join(directory, relative_path)
         sidecar = checksum_path(path)
-        if not self.checksums and is_url(sidecar):
-            storage_for(sidecar, self.storage_options).remove(sidecar)  # (see below)
-        elif not self.checksums and os.path.exists(sidecar):
-            os.remove(sidecar)  # a stale sidecar of an overwritten checkpoint would mislead verify
+        if not self.checksums:
+            storage.remove(sidecar)  # a stale sidecar of an overwritten checkpoint would mislead verify
         raw = self.open(path)
         stream: BinaryIO = _CrcStream(raw) if self.checksums else raw  # type: ignore[assignment]
         results: list[WriteResult] = []
@@ -390,14 +390,14 @@ class FileWriter:
         doc = {"format": CHECKSUM_FORMAT,
                "records": [{"offset": off, "length": n, "crc32": c}
                            for (_, _, off, n), c in zip(results, crcs, strict=True)]}
-        if is_url(sidecar):
-            storage_for(sidecar, self.storage_options).commit(sidecar, json.dumps(doc, separators=(",", ":")).encode())
-            return
-        with open(sidecar, "wb") as f:
-            f.write(json.dumps(doc, separators=(",", ":")).encode())
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
+        out = storage_for(sidecar, self.storage_options).open_data(
+            sidecar, fsync=self.fsync, part_size=self.part_size, concurrency=self.upload_concurrency)
+        try:
+            out.write(json.dumps(doc, separators=(",", ":")).encode())
+        except BaseException:
+            out.close()
+            raise
+        out.commit()
 
     def write_files(self, directory: str, files: Sequence[tuple[str, Sequence[Record]]]) -> list[WriteResult]:
         """Write every file (one thread each); raise the first error after all threads end."""

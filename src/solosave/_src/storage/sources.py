@@ -1,4 +1,4 @@
-"""Where a prepared file's bytes come from: a local file, a URL, or bytes in memory.
+"""Where a prepared file's bytes come from: a file of any storage backend, or bytes in memory.
 
 A :class:`Source` gives random access by offset and counts the bytes read (the scale benchmark
 reports them per rank). :class:`~solosave._src.prepared.sections.SectionReader` reads every section through
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from solosave._src.core.errors import PreparedMetadataError
-from solosave._src.storage.storage import pread_all
+from solosave._src.storage.registry import backend_for, storage_for
 
 
 class Source:
@@ -39,32 +39,16 @@ class BytesSource(Source):
         return self.data[offset:offset + length]
 
 
-class FileSource(Source):
-    """A local file, read with ``pread`` (no seek shared between threads)."""
+class StorageSource(Source):
+    """A file of any storage backend (a local path or a URL), read by ranges through
+    :meth:`~solosave._src.storage.base.Storage.read_range`; only its path and options are kept,
+    so a pickled source reopens its file."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.where = os.fspath(path)
+    def __init__(self, path: str | os.PathLike, options: Mapping[str, Any] | None = None) -> None:
+        self.where, self.options = backend_for(path).normalize(path), dict(options or {})
 
     def _read(self, offset: int, length: int) -> bytes:
         try:
-            fd = os.open(self.where, os.O_RDONLY)
+            return storage_for(self.where, self.options).read_range(self.where, offset, length)
         except OSError as e:
             raise PreparedMetadataError(f"{self.where}: cannot read ({e})") from e
-        try:
-            return pread_all(fd, offset, length)
-        finally:
-            os.close(fd)
-
-
-class StorageSource(Source):
-    """A file behind an fsspec URL (ranged reads through the storage's ``open_read``)."""
-
-    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
-        self.where, self.options = url, dict(options or {})
-
-    def _read(self, offset: int, length: int) -> bytes:
-        from solosave._src.storage.storage import storage_for
-
-        with storage_for(self.where, self.options).open_read(self.where) as f:
-            f.seek(offset)
-            return f.read(length)

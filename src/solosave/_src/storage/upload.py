@@ -1,11 +1,12 @@
 """Streaming one data file to object storage (background worker, one upload per data file).
 
-:meth:`solosave.FileWriter.open` returns an :class:`ObjectUpload` for a URL instead of a local
-file. It is a write-only stream with one difference from a file: the object appears, whole,
-only when :meth:`ObjectUpload.commit` returns, and :meth:`ObjectUpload.close` without a commit
-abandons it (nothing appears; a multipart upload is aborted). Called in this order, from one
-writer thread: ``write`` / ``write_stable`` per piece of a record -> ``commit`` (or ``close``
-on an error).
+:meth:`solosave.FileWriter.open` returns an :class:`ObjectUpload` (the fsspec backend's
+:class:`~solosave._src.storage.base.DataFile`) for a URL instead of a local file. It is a
+write-only stream with one difference from a file: the object appears, whole, only when
+:meth:`ObjectUpload.commit` returns, and :meth:`ObjectUpload.close` without a commit abandons
+it (nothing appears; a multipart upload is aborted). Called in this order, from one writer
+thread: ``write`` / ``write_stable`` per piece of a record -> ``commit`` (or ``close`` on an
+error).
 
 On S3 (:class:`S3Upload`) the bytes go out as a multipart upload whose parts are sent
 concurrently (at most ``concurrency`` in flight per file) while the writer goes on: memory is
@@ -25,6 +26,8 @@ import asyncio
 import io
 from collections import deque
 from typing import Any
+
+from solosave._src.storage.base import DataFile
 
 #: S3's smallest part (every part but the last).
 MIN_PART = 5 << 20
@@ -117,7 +120,7 @@ class _Body(io.RawIOBase):
         return b"".join(self._slices(n))  # one copy, of this chunk only
 
 
-class ObjectUpload:
+class ObjectUpload(DataFile):
     """A write-only stream whose object appears only at :meth:`commit` (see the module doc)."""
 
     def __init__(self, url: str) -> None:

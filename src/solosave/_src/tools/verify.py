@@ -41,7 +41,8 @@ from solosave._src.index.reader import IndexStale, IndexUnusable, LoadIndex
 from solosave._src.load.load import parse_metadata, read_metadata_bytes
 from solosave._src.plan.layout import check_results_cover
 from solosave._src.prepared.prepared import infer_world_workers, load_prepared_metadata
-from solosave._src.storage.storage import LOCAL, is_url, normalize_url, read_checkpoint_metadata, storage_for
+from solosave._src.storage.base import Storage
+from solosave._src.storage.registry import backend_for, storage_for
 
 _READ_CHUNK = 8 << 20
 
@@ -75,7 +76,7 @@ class VerifyReport:
 
 
 def check_files_tiled(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
-                      storage: Any = LOCAL) -> list[str]:
+                      storage: Storage) -> list[str]:
     """The records of each data file follow each other from offset 0 to its end, as every
     FileSystemWriter-style saver writes them: a ``.metadata`` of another layout (a prepared
     file copied over a checkpoint's own) shows up as a gap, an overlap or a wrong end."""
@@ -100,14 +101,10 @@ def check_files_tiled(directory: str, per_file: dict[str, list[tuple[int, int, s
 
 
 def _read_metadata(directory: str, storage_options: Mapping[str, Any] | None) -> Metadata:
-    if is_url(directory):
-        try:
-            return parse_metadata(read_checkpoint_metadata(directory, storage_options), directory)
-        except FileNotFoundError:
-            raise PreparedMetadataError(f"{directory}: no such checkpoint directory") from None
-    if not os.path.isdir(directory):
-        raise PreparedMetadataError(f"{directory}: no such checkpoint directory")
-    return parse_metadata(read_metadata_bytes(directory), directory)  # allowlisted, clear errors
+    try:
+        return parse_metadata(read_metadata_bytes(directory, storage_options), directory)  # allowlisted, clear errors
+    except FileNotFoundError:
+        raise PreparedMetadataError(f"{directory}: no such checkpoint directory") from None
 
 
 def _read_sidecar(sidecar: str, storage: Any) -> dict[tuple[int, int], int]:
@@ -136,14 +133,14 @@ def _crc_of_range(f: Any, off: int, n: int, progress: Callable[[int, int], None]
 
 
 def _checksums(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
-               progress: Callable[[int, int], None] | None, storage: Any = LOCAL) -> tuple[str, int, list[str]]:
+               progress: Callable[[int, int], None] | None, storage: Storage) -> tuple[str, int, list[str]]:
     problems: list[str] = []
     checked = 0
     files = [rel for rel in sorted(per_file, key=str) if confined_path(directory, rel) is not None
-             and storage.exists(checksum_path(os.path.join(directory, rel)))]
+             and storage.exists(checksum_path(storage.join(directory, rel)))]
     total = sum(n for rel in files for _, n, _ in per_file[rel])
     for rel in files:
-        data_path = os.path.join(directory, rel)
+        data_path = storage.join(directory, rel)
         try:
             recorded = _read_sidecar(checksum_path(data_path), storage)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -200,8 +197,8 @@ def compare_with_prepared(md: Metadata, prepared_path: str | os.PathLike,
 
 
 def check_index(directory: str, md: Metadata) -> tuple[str | None, list[str]]:
-    """Step 5: the load index's status and its problems."""
-    if is_url(directory):
+    """Step 5: the load index's status and its problems (none where the storage keeps no index)."""
+    if not backend_for(directory).load_index:
         return None, []
     try:
         idx = LoadIndex.open(directory)
@@ -231,8 +228,8 @@ def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | 
     :class:`~solosave.PreparedMetadataError` if there is no readable ``.metadata``; every other
     finding is a line in the report's ``problems``. ``progress(n, total)`` is called with each
     block of bytes read while checking checksums and the total those reads add up to."""
-    directory = normalize_url(path) if is_url(path) else os.fspath(path)  # type: ignore[arg-type]
-    storage = storage_for(directory, storage_options)
+    storage = storage_for(path, storage_options)
+    directory = storage.normalize(path)
     md = _read_metadata(directory, storage_options)
     results = [(index_key(k), v.relative_path, int(v.offset), int(v.length)) for k, v in md.storage_data.items()]
     problems = check_results_cover(md.state_dict_metadata, results)

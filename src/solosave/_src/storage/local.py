@@ -1,0 +1,214 @@
+"""Local paths: the storage backend of every path without a ``scheme://``.
+
+Data files are written in place and fsynced at commit (:class:`LocalDataFile`, a buffered file
+whose descriptor the writer also uses for ``writev``); small objects are replaced by a
+:class:`RenameCommit`: a temporary file beside the destination, written and fsynced, renamed
+over it (``os.replace`` is atomic on POSIX), then the directory fsynced so that the rename
+itself survives a power loss. Stock DCP's ``FileSystemWriter.finish`` removes the old
+``.metadata`` before its rename and fsyncs no directory; this does neither.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from solosave._src.storage.base import Commit, Data, DataFile, Storage
+
+#: ``s3:/bucket/...``: a URL after ``pathlib.Path`` collapsed its ``//``.
+_MANGLED = re.compile(r"^(s3a?|gs|gcs|az|abfss?|adl|oss|hf|memory):/[^/]")
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pread_all(fd: int, offset: int, length: int) -> bytes:
+    """``length`` bytes of ``fd`` from ``offset`` (``pread`` until done; shorter only at the end
+    of the file)."""
+    parts, done = [], 0
+    while done < length:
+        b = os.pread(fd, length - done, offset + done)
+        if not b:
+            break
+        parts.append(b)
+        done += len(b)
+    return b"".join(parts)
+
+
+def unlink_if_present(path: Any) -> None:
+    """Remove the local file ``path``; nothing to do if it is already gone."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def check_local_path(path: str | os.PathLike) -> None:
+    """Refuse a URL that went through ``pathlib.Path`` (``s3:/bucket/...``): saving there would
+    create a local directory named ``s3:``."""
+    text = os.fspath(path)
+    if isinstance(text, str) and _MANGLED.match(text):
+        raise ValueError(f"{text!r} looks like a URL whose '//' was collapsed by pathlib.Path; pass "
+                         f"the URL as a string (e.g. {text.replace(':/', '://', 1)!r})")
+
+
+class RenameCommit(Commit):
+    """A file system's commit: :meth:`stage` writes and fsyncs a temporary file beside the
+    destination (``.<name>.tmp.<pid>.<random>``), :meth:`finish` renames it over the
+    destination and fsyncs the directory, :meth:`discard` removes it. With ``fsync=False``
+    nothing is fsynced (tests, and writers told not to)."""
+
+    def _stage(self, data: Data) -> None:
+        dst = Path(self.path).absolute()  # renamed later: a change of working directory must not matter
+        tmp = dst.with_name(f".{dst.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.writelines([data] if isinstance(data, (bytes, bytearray, memoryview)) else data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            unlink_if_present(tmp)
+            raise
+        self._dst, self._tmp = dst, tmp
+
+    def _finish(self) -> None:
+        try:
+            os.replace(self._tmp, self._dst)
+        except BaseException:
+            unlink_if_present(self._tmp)
+            raise
+        if self.fsync:
+            fsync_dir(self._dst.parent)
+
+    def _discard(self) -> None:
+        unlink_if_present(self._tmp)
+
+
+class LocalDataFile(io.BufferedWriter, DataFile):
+    """A data file on a local file system: a buffered file (its descriptor is usable for
+    ``writev``) whose :meth:`commit` flushes, fsyncs (unless ``fsync=False``) and closes it."""
+
+    def __init__(self, path: str, fsync: bool = True) -> None:
+        raw = io.FileIO(path, "wb")
+        try:
+            # the buffer size open() would choose: the file system's block size
+            size = os.fstat(raw.fileno()).st_blksize
+        except OSError:
+            size = io.DEFAULT_BUFFER_SIZE
+        super().__init__(raw, size if size > 1 else io.DEFAULT_BUFFER_SIZE)
+        self.fsync = fsync
+
+    def commit(self) -> None:
+        self.flush()
+        if self.fsync:
+            os.fsync(self.fileno())
+        self.close()
+
+
+class LocalStorage(Storage):
+    """Local paths (see the module docstring): ``os`` calls, data files in place, commits by
+    rename. Stateless; ``storage_options`` do not apply."""
+
+    local_files = True
+    load_index = True
+    commit_type = RenameCommit
+
+    @classmethod
+    def from_path(cls, path: str, options: Mapping[str, Any] | None = None) -> LocalStorage:
+        return cls()
+
+    @classmethod
+    def normalize(cls, path: Any) -> str:
+        return os.fspath(Path(path))
+
+    @classmethod
+    def join(cls, base: Any, name: str) -> str:
+        return os.path.join(os.fspath(base), name)
+
+    @classmethod
+    def basename(cls, path: Any) -> str:
+        return os.path.basename(os.fspath(path))
+
+    @classmethod
+    def dirname(cls, path: Any) -> str:
+        return os.path.dirname(os.fspath(path))
+
+    def check_destination(self, path: str) -> None:
+        check_local_path(path)
+        p = Path(path)
+        if any(len(os.fsencode(part)) > 255 for part in p.parts):
+            raise ValueError(f"destination {path!r} has a name longer than 255 bytes, the "
+                             "file-system limit; choose a shorter name")
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"destination {path!r} exists and is not a directory")
+
+    def prepare_destination(self, path: str, known: set[str]) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create checkpoint directory {path!r}: {e.strerror}; "
+                             "choose a writable location") from e
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"checkpoint directory {path!r} is not writable; choose a "
+                             "writable location or fix its permissions")
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def isfile(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def read(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return pread_all(fd, offset, length)
+        finally:
+            os.close(fd)
+
+    def open_read(self, path: str) -> BinaryIO:
+        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def open_data(self, path: str, *, fsync: bool = True, part_size: int = 16 << 20,
+                  concurrency: int = 8) -> LocalDataFile:
+        return LocalDataFile(path, fsync)
+
+    def remove(self, path: str) -> None:
+        unlink_if_present(path)
+
+    def remove_tree(self, path: str) -> None:
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+
+
+__all__ = ["LocalDataFile", "LocalStorage", "RenameCommit", "check_local_path", "fsync_dir", "pread_all",
+           "unlink_if_present"]
