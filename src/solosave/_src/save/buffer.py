@@ -27,6 +27,7 @@ import torch
 
 from solosave._src.coordination.protocol import ItemSpec, StagedItem, StagedSave
 from solosave._src.formats.dcp import dtype_from_name
+from solosave._src.save.device import DeviceRuntime
 from solosave._src.storage.storage import unlink_if_present
 
 log = logging.getLogger("solosave")
@@ -64,6 +65,7 @@ class _Buffer:
         view = self.shm.buf if self.shm is not None else self._mmap
         self.base = torch.frombuffer(view, dtype=torch.uint8, count=self.size)
         self.pinned = False
+        self._runtime: DeviceRuntime | None = None
 
     def _create_shm(self, name: str) -> None:
         shm = shared_memory.SharedMemory(create=True, size=self.size, name=name)
@@ -93,8 +95,9 @@ class _Buffer:
     def name(self) -> str:
         return f"shm:{self.shm.name}" if self.shm is not None else f"file:{self.path}"
 
-    def pin(self) -> None:
-        rc = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), self.size, 0)
+    def pin(self, runtime: DeviceRuntime) -> None:
+        rc = runtime.host_register(self.base.data_ptr(), self.size, 0)
+        self._runtime = runtime
         if int(rc) != 0:
             log.warning("solosave: cudaHostRegister of the %d-byte staging buffer failed (code %s); "
                         "device-to-host copies run unpinned (slower)", self.size, rc)
@@ -115,7 +118,7 @@ class _Buffer:
 
     def close(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            self._runtime.host_unregister(self.base.data_ptr())
             self.pinned = False
         self.base = None  # type: ignore[assignment]
         if self.shm is not None:

@@ -34,6 +34,7 @@ from solosave._src.coordination.protocol import ItemKind, ItemSpec, StagedItem, 
 from solosave._src.core.errors import SaveTimeoutError, StagingRaceError
 from solosave._src.plan.local_plan import serialize_bytes
 from solosave._src.save.buffer import STAGING_DIR_ENV, _Buffer
+from solosave._src.save.device import CudaRuntime, DeviceRuntime
 
 #: Alignment of every tensor inside a staging buffer (bytes).
 ALIGN = 64
@@ -67,8 +68,9 @@ class Stager:
     directory instead of shared memory (default: ``$SOLOSAVE_STAGING_DIR`` if set).
     """
 
-    def __init__(self, staging_dir: str | None = None) -> None:
+    def __init__(self, staging_dir: str | None = None, runtime: DeviceRuntime | None = None) -> None:
         self.staging_dir = staging_dir or os.environ.get(STAGING_DIR_ENV) or None
+        self.runtime: DeviceRuntime = runtime if runtime is not None else CudaRuntime()
         self._layout: tuple | None = None
         self._offsets: dict = {}
         self._buffer: _Buffer | None = None
@@ -89,7 +91,7 @@ class Stager:
             pos += _align(s.nbytes)
         buf = _Buffer(pos, self.staging_dir)
         if pinned:
-            buf.pin()
+            buf.pin(self.runtime)
         self._buffer, self._offsets, self._layout = buf, offsets, layout
         return buf
 
@@ -98,11 +100,12 @@ class Stager:
         if p is not None and p.specs is specs and (self._buffer is not None or not p.tensors):
             return p
         tensors = [s for s in specs if s.kind is ItemKind.TENSOR]
-        devices = {values[s.fqn].device.type for s in tensors}
-        buf = self._ensure(tensors, pinned="cuda" in devices)
+        on_device = any(self.runtime.device_of(values[s.fqn]) is not None for s in tensors)
+        all_cpu = not on_device and all(values[s.fqn].device.type == "cpu" for s in tensors)
+        buf = self._ensure(tensors, pinned=on_device)
         offsets = self._offsets
         views = [buf.view(offsets[s.key], s) for s in tensors] if buf is not None else []
-        self._plan = _Plan(specs, "cuda" in devices, devices <= {"cpu"}, tensors,
+        self._plan = _Plan(specs, on_device, all_cpu, tensors,
                            [s for s in specs if s.kind is not ItemKind.TENSOR], views,
                            tuple(StagedItem(s, offsets[s.key]) for s in tensors))
         return self._plan
@@ -119,7 +122,7 @@ class Stager:
         plan = self._plan_for(specs, values)
         srcs = [values[s.fqn] for s in plan.tensors]
         buf = self._buffer
-        staging = Staging(srcs if overlap else [])
+        staging = Staging(srcs if overlap else [], self.runtime)
         if plan.on_cuda:
             staging.event = self._copy_cuda(plan, srcs, overlap)
         elif overlap and srcs:
@@ -133,16 +136,22 @@ class Stager:
     def _copy_cuda(self, plan: _Plan, srcs: list[Any], overlap: bool) -> Any:
         if not srcs:
             return None
+        rt = self.runtime
+        device = rt.current_device()
         if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream()
-        current = torch.cuda.current_stream()
+            self._side_stream = rt.new_stream(device)
+        current = rt.current_stream(device)
         self._side_stream.wait_stream(current)
-        with torch.cuda.stream(self._side_stream), torch.no_grad():
+        with rt.use_stream(self._side_stream), torch.no_grad():
             for dst, src in zip(plan.views, srcs):
-                dst.copy_(src, non_blocking=src.is_cuda)
-                if overlap and src.is_cuda:
-                    src.record_stream(self._side_stream)  # its memory is not reused before the copy
-            event = torch.cuda.Event()
+                on_device = rt.device_of(src) is not None
+                if on_device:
+                    rt.copy(dst, src)
+                else:
+                    dst.copy_(src)
+                if overlap and on_device:
+                    rt.record_stream(src, self._side_stream)  # its memory is not reused before the copy
+            event = rt.new_event()
             event.record(self._side_stream)
         if not overlap:
             current.wait_event(event)
@@ -186,7 +195,8 @@ class Staging:
     hold later values, so it fails instead (``error``).
     """
 
-    def __init__(self, sources: list[Any]) -> None:
+    def __init__(self, sources: list[Any], runtime: DeviceRuntime | None = None) -> None:
+        self.runtime = runtime if runtime is not None else CudaRuntime()
         self.event: Any = None
         self.sources = sources
         self._versions = [t._version for t in sources]
@@ -223,7 +233,8 @@ class Staging:
         """Overlap mode: block until the CPU copies are done (bounded), or order the current
         CUDA stream after the copies; raise the staging's error, if any."""
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            rt = self.runtime
+            rt.current_stream(rt.current_device()).wait_event(self.event)
             self.check()
         elif not self._done.wait(timeout):
             raise SaveTimeoutError(f"staging did not finish within {timeout:g} s")
