@@ -429,3 +429,62 @@ def structure_of_dtensors(rank, ws):
 
     out["fallback"] = local_shard(Opaque()) is full
     return out
+
+
+def dtensor_foreach_step_during_overlapped_staging(rank, ws, root):
+    """D1: DTensor state (FSDP2-style shards) with overlapped staging whose CPU copy starts late.
+
+    (a) ``optimizer.step()`` of ``SGD(foreach=True)`` right after ``save()``, without
+    ``wait_staged()``: its in-place update moves no version counter of a DTensor, so nothing
+    could notice it; the checkpoint must still hold the values of the call. (b) a plain in-place
+    ``add_`` on the DTensor before ``wait_staged()`` is a staging race."""
+    import threading
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from solosave._src.save import staging as _stage
+
+    _fresh(root)
+    mesh = init_device_mesh("cpu", (ws,))
+    p = torch.nn.Parameter(distribute_tensor(torch.arange(64.0 * ws), mesh, [Shard(0)]))
+    p.grad = distribute_tensor(torch.ones(64 * ws), mesh, [Shard(0)])
+    opt = torch.optim.SGD([p], lr=1.0, foreach=True)
+    real = _stage._copy_cpu
+    started = threading.Event()
+
+    def late_copy(*args, **kwargs):  # the copy starts after the step would have run
+        started.set()
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    out = {}
+    _stage._copy_cpu = late_copy
+    try:
+        with solosave.AsyncCheckpointer(overlap_staging=True, persistent_worker=False, timeout=60) as ck:
+            before = p.to_local().detach().clone()
+            h = ck.save({"p": p}, f"{root}/a")
+            opt.step()
+            out["stepped"] = not torch.equal(p.to_local().detach(), before)
+            h.wait()
+            got = {"p": distribute_tensor(torch.zeros(64 * ws), mesh, [Shard(0)])}
+            solosave.load(got, f"{root}/a")
+            out["a_holds_the_call"] = torch.equal(got["p"].to_local(), before)
+            h = ck.save({"p": p}, f"{root}/b")
+            with torch.no_grad():
+                p.add_(1.0)  # not an optimizer: the version counter of the DTensor shows it
+            try:
+                h.wait_staged()
+                out["b_race"] = None
+            except solosave.StagingRaceError as e:
+                out["b_race"] = str(e)
+            try:
+                h.wait()
+                out["b_published"] = True
+            except solosave.CheckpointError:
+                out["b_published"] = os.path.exists(f"{root}/b/.metadata")
+    finally:
+        _stage._copy_cpu = real
+    return out
+

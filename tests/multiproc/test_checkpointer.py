@@ -99,6 +99,19 @@ def test_collective_counts_match_torch_distributed(tmp_path, monkeypatch):
     assert set(observed["trainer"]) <= {"broadcast_object_list", "all_reduce", "barrier"}
 
 
+def test_seam_d1_a_foreach_optimizer_step_on_dtensors_cannot_tear_an_overlapped_save(tmp_path, case_log):
+    out = run_ranks(rank_fns.dtensor_foreach_step_during_overlapped_staging, 1, str(tmp_path))[0]
+    assert out["stepped"] is True
+    assert out["a_holds_the_call"] is True  # the optimizer's step pre-hook waited for the copy
+    assert out["b_race"] is not None and "wait_staged" in out["b_race"], out
+    assert out["b_published"] is False
+    case_log("overlap_staging with DTensor state: SGD(foreach=True).step() right after save(), no "
+             "wait_staged(), the copy held back 0.5 s (D1)",
+             "the optimizer's step pre-hook waited for the copy: the checkpoint holds the values of the "
+             "call; an in-place add_ on the DTensor before wait_staged() is a StagingRaceError, the save "
+             "publishes nothing")
+
+
 def test_overlapped_staging_keeps_the_values_of_the_call_and_fails_a_raced_save(tmp_path, case_log):
     out = run_ranks(rank_fns.overlap_staging, 2, str(tmp_path))
     for r in out:

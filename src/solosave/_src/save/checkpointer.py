@@ -235,24 +235,31 @@ class AsyncCheckpointer:
         return handle
 
     def _submit(self, job: SaveJob, staging: Staging | None) -> None:
-        """Hand ``job`` to the worker; when its copies are still running (CUDA, overlapped
-        staging), from a thread that first waits for them, so the training thread goes on and
-        no CUDA object reaches the worker. A staging that failed (e.g. a tensor changed before
-        its copy) fails the save on every rank instead."""
+        """Hand ``job`` to the worker (first, once per new staging buffer, the buffer's
+        descriptor); when its copies are still running (CUDA, overlapped staging), from a thread
+        that first waits for them (its device set to the trainer's), so the training thread goes
+        on and no CUDA object reaches the worker. A staging that failed (e.g. a tensor changed
+        before its copy) or timed out fails the save on every rank instead."""
+        handoff = staging.handoff() if staging is not None else None
+        if handoff is not None:  # a new staging buffer: its descriptor goes first
+            self._transport.share_buffer(*handoff)
         if staging is None or staging.immediate:
             self._transport.submit(job)
             return
+        timeout = self.options.timeout
 
         def after_copies() -> None:
             try:
                 try:
-                    staging.synchronize(self.options.timeout)
+                    staging.synchronize(timeout)
                     todo = job
                 except Exception as e:  # noqa: BLE001 - the save fails on every rank, naming it
                     todo = SaveSession.fail_staged(job, e)
                 self._transport.submit(todo)
             except BaseException as e:  # noqa: BLE001 - reported by the handle
                 self._submit_error = e
+            finally:
+                staging.settle(max(timeout, 60.0))  # copies that outlived the timeout: their buffer goes after them
 
         threading.Thread(target=after_copies, name="solosave-submit", daemon=True).start()
 

@@ -111,7 +111,7 @@ class Engine:
     def close(self) -> None:
         self._records = {}  # they hold views of the mapping the reader closes
         self._reuse_program = None
-        self.reader.close()
+        self.reader.release()
 
     # ------------------------------------------------------------------------------------
     def run(self, job: SaveJob) -> JobOutcome:
