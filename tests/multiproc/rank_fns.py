@@ -488,3 +488,22 @@ def dtensor_foreach_step_during_overlapped_staging(rank, ws, root):
         _stage._copy_cpu = real
     return out
 
+
+def thread_mode_subgroup_under_a_bound_device(rank, ws, root):
+    """A checkpointer in thread mode on a strict subgroup while the default group says it is
+    bound to a device (as ``init_process_group(device_id=...)`` makes it under NCCL): refused at
+    once with a clear error, before any collective (torch's new_group would have the ranks
+    outside the subgroup wait in an NCCL split that nobody joins)."""
+    sub = dist.new_group([0])
+    world = dist.group.WORLD
+    world.bound_device_id = torch.device("cuda", 0)  # a label only: nothing runs on it here
+    try:
+        if rank != 0:
+            return None
+        try:
+            solosave.AsyncCheckpointer(process_group=sub, persistent_worker=False, timeout=10)
+        except ValueError as e:
+            return str(e)
+        return "no error"
+    finally:
+        world.bound_device_id = None

@@ -108,6 +108,7 @@ class AsyncCheckpointer:
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        _check_thread_mode_group(self.options, self.world_size)
         self._setup_counter = CollectiveCounter()
         self._inflight: SaveHandle | None = None
         self._closed = False
@@ -382,6 +383,21 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_thread_mode_group(options: CheckpointerOptions, group_size: int) -> None:
+    """Thread mode makes its gloo group with ``torch.distributed.new_group``. When the default
+    group is bound to a device (``init_process_group(..., device_id=...)``, eager NCCL) and the
+    checkpointer's group leaves some ranks out, torch has every rank outside it join an NCCL
+    communicator split (``_new_process_group_helper``: ``perform_nocolor_split``) that the ranks
+    inside a gloo group never join: those ranks would hang. Refused at once, on every rank of
+    the group alike (they all see the same sizes)."""
+    if options.persistent_worker or group_size == dist.get_world_size():
+        return
+    if getattr(dist.group.WORLD, "bound_device_id", None) is not None:
+        raise ValueError("persistent_worker=False with a process_group smaller than the world, under a "
+                         "default group bound to a device (init_process_group(device_id=...)), would hang "
+                         "in torch's new_group on the other ranks; use persistent_worker=True (the default)")
 
 
 def _check_writer(writer: FileWriter | None, options: CheckpointerOptions) -> FileWriter | None:
