@@ -272,21 +272,24 @@ class BufferReader:
         return view
 
     def mapping(self, staged: StagedSave) -> object:
-        """Map ``staged``'s buffer if it is not the current one; returns the mapping, whose
-        identity changes whenever earlier views stop being this buffer's."""
+        """Map ``staged``'s buffer if it is not the current one; returns the mapping (``None``
+        for a job without a buffer), whose identity changes whenever earlier views stop being
+        this buffer's. A job without a buffer (nothing staged, or a failed staging) leaves the
+        current mapping alone: the next job of the structure names it again."""
+        if staged.buffer is None:
+            return None
         if staged.buffer != self._name or self._mmap is None:
+            with self._lock:
+                fd = self._handed.pop(staged.buffer, None)
+            if fd is None:
+                raise ValueError(f"internal: the staging buffer {staged.buffer!r} was never handed "
+                                 "to this worker")
             self.close()
-            if staged.buffer is not None:
-                with self._lock:
-                    fd = self._handed.pop(staged.buffer, None)
-                if fd is None:
-                    raise ValueError(f"internal: the staging buffer {staged.buffer!r} was never handed "
-                                     "to this worker")
-                try:
-                    self._mmap = mmap.mmap(fd, max(staged.buffer_size, 1))
-                finally:
-                    os.close(fd)
-                self._name = staged.buffer
+            try:
+                self._mmap = mmap.mmap(fd, max(staged.buffer_size, 1))
+            finally:
+                os.close(fd)
+            self._name = staged.buffer
         return self._mmap
 
     def keep_only(self, items: list[StagedItem]) -> None:

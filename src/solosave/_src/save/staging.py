@@ -157,24 +157,30 @@ class Stager:
         whose local shard is the value staged).
         """
         plan = self._plan_for(specs, values)
+        # first, as it may raise (a value that does not pickle): then no copy has started
+        others = tuple(StagedItem(s, -1, serialize_bytes(s.fqn, values[s.fqn])) for s in plan.others)
         srcs = [values[s.fqn] for s in plan.tensors]
         buf = plan.buffer
         rt = self.runtime
         staging = Staging(rt, buf, rt.current_device() if plan.by_device else None, self.timeout)
         if plan.by_device:
+            # a failure while enqueueing keeps the lease: copies already queued may still write
             staging.hold(plan, srcs, overlap, watch)
             staging.events = self._copy_device(plan, srcs, overlap)
         elif overlap and srcs:
             staging.hold(plan, srcs, overlap, watch)
-            threading.Thread(target=staging.run, args=(lambda: _copy_pieces(plan, srcs, staging.verify),),
-                             name="solosave-stage", daemon=True).start()
+            try:
+                threading.Thread(target=staging.run, args=(lambda: _copy_pieces(plan, srcs, staging.verify),),
+                                 name="solosave-stage", daemon=True).start()
+            except BaseException:
+                staging._finish()
+                raise
         else:
             _copy_cpu(plan.views, srcs)
         if overlap and not staging.immediate:
             STEP_GUARD.add(staging)
             self._overlapped = staging
-        items = plan.items + tuple(StagedItem(s, -1, serialize_bytes(s.fqn, values[s.fqn])) for s in plan.others)
-        return StagedSave(buf.name if buf else None, buf.size if buf else 0, items), staging
+        return StagedSave(buf.name if buf else None, buf.size if buf else 0, plan.items + others), staging
 
     def _copy_device(self, plan: _Plan, srcs: list[Any], overlap: bool) -> dict[int, Any]:
         """Per source device: its side stream waits for its current stream, copies its sources,
