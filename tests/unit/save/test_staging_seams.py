@@ -163,3 +163,22 @@ def test_seam_conj_and_neg_sources_are_resolved_before_the_asynchronous_copy():
         assert torch.equal(got["z"], z.conj().resolve_conj()) and torch.equal(got["n"], -torch.arange(8.0))
     finally:
         stager.close()
+
+
+def test_seam_an_optimizer_step_orders_itself_after_overlapped_copies():
+    """D1 on the CUDA path: an optimizer step right after an overlapped ``save()`` (no
+    ``wait_staged()``) first makes the current stream wait for the copies' event; its own
+    in-place update then is not a staging race."""
+    rt = FakeRuntime(current=0)
+    p = torch.nn.Parameter(torch.arange(64, dtype=torch.float32))
+    p.grad = torch.ones(64)
+    stager, _, staging = _stage(rt, {"p": rt.place(p, 0)}, overlap=True)
+    try:
+        (event,) = [c[1] for c in rt.calls("record")]
+        assert ("wait_event", "current0", event, "MainThread") not in rt.log
+        torch.optim.SGD([p], lr=1.0, foreach=True).step()
+        assert ("wait_event", "current0", event, "MainThread") in rt.log  # the step pre-hook
+        staging.wait(5)  # no StagingRaceError: the update came after the copies
+        staging.synchronize(5)
+    finally:
+        stager.close()

@@ -356,18 +356,24 @@ class Staging:
                                 "handle.wait_staged() before changing saved tensors (or use the default "
                                 "blocking staging)")
 
-    def check(self) -> None:
-        """Record (once) whether a staged tensor changed since ``save()`` (overlap mode only);
-        raise the staging's error, if any."""
+    def _check_once(self) -> None:
+        """Record, the first time only, whether a staged tensor changed since ``save()``
+        (overlap mode): at the first of the copies' end, ``wait_staged()`` and an optimizer
+        step, after which changes can no longer reach the copies."""
         with self._lock:
-            if not self._checked:
-                self._checked = True
-                why = self._changed(0, len(self.sources)) if self._ptrs else None
-                if why is None:
-                    why = next((f"state_dict[{n!r}] was changed in place before its staging completed"
-                                for n, t, v in self._watch if t._version != v), None)
-                if why is not None and self.error is None:
-                    self.error = self._race(why)
+            if self._checked:
+                return
+            self._checked = True
+            why = self._changed(0, len(self.sources)) if self._ptrs else None
+            if why is None:
+                why = next((f"state_dict[{n!r}] was changed in place before its staging completed"
+                            for n, t, v in self._watch if t._version != v), None)
+            if why is not None and self.error is None:
+                self.error = self._race(why)
+
+    def check(self) -> None:
+        """:meth:`_check_once`, then raise the staging's error, if any."""
+        self._check_once()
         if self.error is not None:
             raise self.error
 
@@ -420,6 +426,7 @@ class Staging:
         most ``timeout``, then the save fails instead of holding later values). Never raises."""
         if self.events:
             self._order()
+            self._check_once()  # the step's own writes come after the copies: not a race
         elif not self._done.wait(self.timeout):
             with self._lock:
                 if self.error is None:
