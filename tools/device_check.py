@@ -314,7 +314,7 @@ def sec_dtype_matrix(out: dict, root: str) -> str:
         for strided in (False, True):
             tgt = {k: torch.empty_like(v.resolve_conj().resolve_neg(), device=v.device) for k, v in sd.items()}
             if strided:
-                tgt["transposed"] = torch.empty(32, 64, device="cuda").t()
+                tgt["transposed"] = torch.empty(64, 32, device="cuda").t()
                 tgt["big"] = torch.empty(8 * MIB, 2, device="cuda")[:, 0]  # strided: every other element
             solosave.load(tgt, f"{root}/matrix-{overlap}")
             for k in sd:
