@@ -215,10 +215,11 @@ def test_a_saved_tensor_resized_or_freed_before_its_overlapped_copy(tmp_path, ca
     if how == "drop":
         assert out["error"] is None  # a dropped tensor is kept alive until its copy ends
     else:
-        assert out["error"].startswith("StagingRaceError"), out
-    what = {"grow": "resized larger (resize_)", "free": "its storage freed (untyped_storage().resize_(0))",
-            "set": "its storage replaced (set_)", "drop": "dropped by the caller (del)"}[how]
+        assert out["error"].startswith("StagingRaceError") and "'big'" in out["error"], out
+    what = {"grow": "resized larger (resize_)", "free": "whose storage was freed (untyped_storage().resize_(0))",
+            "set": "whose storage was replaced (set_)", "drop": "dropped by the caller (del)"}[how]
     case_log(f"overlap_staging: a saved tensor {what} before its copy ran",
-             "no crash; " + ("StagingRaceError from wait_staged(): the save fails on every rank"
-                             if how != "drop" else "the copy holds the tensor until it ends; the values of the call are staged"),
+             "no crash; " + ("StagingRaceError naming the key from the staging's wait (wait_staged()); "
+                             "its bytes were never read" if how != "drop"
+                             else "no error: the staging holds the tensor until its copy ends"),
              time.monotonic() - t0)
