@@ -354,7 +354,7 @@ def overlap_staging(rank, ws, root):
             assert_equal(got, expect)
         gate, real = threading.Event(), _stage._copy_cpu
         if rank == 1:
-            _stage._copy_cpu = lambda plan, srcs: (gate.wait(30), real(plan, srcs))
+            _stage._copy_cpu = lambda views, srcs: (gate.wait(30), real(views, srcs))
         h = ck.save(sd, f"{root}/race")
         if rank == 1:
             sd[w].add_(1)  # before wait_staged() and before the copy
