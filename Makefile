@@ -42,9 +42,11 @@ test-slow: $(BIN)/solosave
 wheel-smoke: $(BIN)/solosave
 	$(BIN)/python tools/wheel_smoke.py
 
-# On a machine with a GPU and a CUDA build of torch (not run yet: see tools/device_check.py).
+# On a machine with a GPU and the torch installed there (no venv, no install, no network): the
+# source tree on PYTHONPATH, one line per section as it goes, a JSON summary in $OUT when set,
+# at most 8 minutes (the script's budget; `timeout` is the backstop). See tools/device_check.py.
 device-check:
-	timeout 300 $(PY) tools/device_check.py
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} timeout 600 $(PY) -u tools/device_check.py $(DEVICE_CHECK_ARGS)
 
 # Core tests on the newest torch on this machine's index and the oldest claimed (CUDA builds of
 # several GB each, run on the CPU; not in CI): tools/torch_versions.sh.

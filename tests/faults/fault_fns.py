@@ -220,7 +220,18 @@ def children(pid: int) -> list[int]:
 
 
 def shm_segments() -> list[str]:
+    """Named solosave segments in /dev/shm (there should never be any: buffers are unlinked as
+    soon as they are created)."""
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith("solosave_"))
+
+
+def staging_mappings(pid: int | str = "self") -> list[str]:
+    """The staging buffers process ``pid`` maps (unlinked files: named in its memory map)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return sorted({line.split("/")[-1].split()[0] for line in f if "/solosave_" in line})
+    except (FileNotFoundError, ProcessLookupError):
+        return []
 
 
 def open_fds() -> int:
@@ -395,7 +406,7 @@ def back_to_back(rank: int, ws: int, root: str, saves: int, timeout: float) -> d
             set_step(sd, rank, 10**6)  # the next "training step" overwrites the values at once
             if i in (2, saves - 1):
                 rss.append((rss_kib(os.getpid()), rss_kib(worker_pid(ck))))
-                segs.append(len([s for s in shm_segments() if s.startswith(f"solosave_{os.getpid()}_")]))
+                segs.append(len(staging_mappings()))
         last = handles[-1].wait(timeout)
         done_before = [h.done() for h in handles]
         errors = []
@@ -432,7 +443,7 @@ def close_in_flight(rank: int, ws: int, root: str, timeout: float) -> dict:
     out["b_close_s"] = round(time.monotonic() - t0, 2)
     out["b"] = _wait(h, 1.0)
     out["b_worker_alive"] = alive(worker_pid(ck))
-    out["b_segments"] = [s for s in shm_segments() if s.startswith(f"solosave_{os.getpid()}_")]
+    out["b_segments"] = staging_mappings() + [s for s in shm_segments() if s.startswith(f"solosave_{os.getpid()}_")]
     try:
         ck.save(sd, f"{root}/c")
         out["save_after_close"] = None

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import solosave
 from solosave._src.testing.introspect import worker_pid
-from tests.faults.fault_fns import SETUP_WAIT, sd_at, set_step, shm_segments
+from tests.faults.fault_fns import SETUP_WAIT, sd_at, set_step, shm_segments, staging_mappings
 from tests.support import fresh, wait_until, zeros_like
 
 
@@ -64,17 +64,21 @@ def dropped_checkpointer(rank: int, ws: int, root: str, timeout: float, persiste
     fresh(root)
     mine = f"solosave_{os.getpid()}_"
 
+    def named() -> list[str]:
+        return [s for s in shm_segments() if s.startswith(mine)]
+
     def make_and_drop(name: str) -> int:
         ck = solosave.AsyncCheckpointer(timeout=timeout, persistent_worker=persistent)
         ck.save(sd_at(rank, 0), f"{root}/{name}").wait(SETUP_WAIT)
         pid = worker_pid(ck)
-        assert any(s.startswith(mine) for s in shm_segments())
+        assert staging_mappings()  # its buffer is mapped (and has no name in /dev/shm)
+        assert not named()
         del ck
         gc.collect()
         return pid
 
     pid = make_and_drop("a")
-    gone = wait_until(lambda: not any(s.startswith(mine) for s in shm_segments()), 10)
+    gone = wait_until(lambda: not staging_mappings() and not named(), 10)
     worker_gone = (not persistent) or wait_until(lambda: not os.path.exists(f"/proc/{pid}/cmdline")
                                                  or b"_worker_entry" not in open(f"/proc/{pid}/cmdline", "rb").read(), 10)
     dist.barrier()
@@ -145,3 +149,89 @@ ck.save({{"w": torch.ones(1 << 20)}}, {root!r} + "/c0").wait(120)
 print("SAVED", os.getpid(), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
+
+JOB_KILLED_AS_A_WHOLE = TRAINER_PREAMBLE + """
+ck = solosave.AsyncCheckpointer(timeout=120, persistent_worker={persistent})
+h = ck.save({{"w": torch.ones(16 << 20)}}, {root!r} + "/c0")   # 64 MiB staged
+maps = sum(1 for line in open("/proc/self/maps") if "solosave_" in line)
+print("SAVED", os.getpid(), maps, flush=True)
+time.sleep(120)   # killed here, with the rest of its process group, save in flight or not
+"""
+
+
+# -- overlapped staging: what a copy still writes or reads (issue 29, items 4 and 5) ----------
+
+def _gate_copies():
+    """Hold every overlapped CPU copy, before it checks or reads anything, until the returned
+    event is set (test-only patch of the staging thread's body)."""
+    import threading
+
+    from solosave._src.save import staging as _stage
+
+    gate, real = threading.Event(), _stage._copy_pieces
+
+    def gated(*args, **kwargs):
+        gate.wait(60)
+        return real(*args, **kwargs)
+
+    _stage._copy_pieces = gated
+    return gate
+
+
+def close_during_overlapped_copy(rank: int, ws: int, root: str, persistent: bool) -> dict:
+    """``close(timeout=0.5)`` while the overlapped copy of a save is held back: close returns,
+    then the copy runs into the buffer (which must still be mapped), then the buffer goes."""
+    import time
+
+    fresh(root)
+    sd = {"w": torch.arange(float(1 << 21)), "v": torch.ones(1 << 18)}
+    ck = solosave.AsyncCheckpointer(overlap_staging=True, persistent_worker=persistent, timeout=30)
+    ck.save(sd, f"{root}/warm").wait(SETUP_WAIT)  # the worker is up
+    gate = _gate_copies()
+    h = ck.save(sd, f"{root}/a")
+    t0 = time.monotonic()
+    ck.close(timeout=0.5)
+    out = {"close_s": round(time.monotonic() - t0, 2), "mapped_after_close": len(staging_mappings())}
+    gate.set()  # the copy now writes into the buffer close() let go of
+    try:
+        h.wait(5)
+        out["a"] = "published"
+    except solosave.CheckpointError as e:
+        out["a"] = f"CheckpointError: {str(e)[:120]}"
+    out["unmapped"] = wait_until(lambda: not staging_mappings(), 10)
+    out["published"] = os.path.exists(f"{root}/a/.metadata")
+    return out
+
+
+def change_before_overlapped_copy(rank: int, ws: int, root: str, how: str) -> dict:
+    """Stager level: a saved tensor is resized larger, has its storage freed or replaced, or is
+    dropped, after ``stage()`` and before the (held back) overlapped copy runs."""
+    from solosave._src.plan.local_plan import plan_local
+    from solosave._src.save.staging import Stager
+
+    sd = {"big": torch.arange(float(1 << 22)), "small": torch.ones(8)}
+    plan = plan_local(sd)
+    gate = _gate_copies()
+    stager = Stager()
+    out: dict = {}
+    try:
+        _, staging = stager.stage(plan.specs, plan.values, overlap=True)
+        if how == "grow":
+            sd["big"].resize_(1 << 23)
+        elif how == "free":
+            sd["big"].untyped_storage().resize_(0)
+        elif how == "set":
+            sd["big"].set_(torch.zeros(1 << 22).untyped_storage())
+        elif how == "drop":
+            plan.values.clear()
+            del sd["big"]
+            gc.collect()
+        gate.set()
+        try:
+            staging.wait(30)
+            out["error"] = None
+        except Exception as e:  # noqa: BLE001 - the type is what the test checks
+            out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        stager.close()
+    return out

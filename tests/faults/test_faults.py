@@ -224,7 +224,7 @@ def test_back_to_back_saves(tmp_path, case_log):
     outs = run_ranks(F.back_to_back, 2, str(tmp_path), saves, TIMEOUT, timeout=140)
     for o in outs:
         assert all(o["done"]) and not o["errors"] and o["last_mode"] == "reuse"
-        assert o["segments"] == [1, 1]  # one staging segment, reused
+        assert o["segments"] == [1, 1]  # one staging buffer mapped, reused
         (t3, w3), (tn, wn) = o["rss"]
         assert tn - t3 < 30 * 1024 and wn - w3 < 30 * 1024, o["rss"]
         assert sum(o["blocks"][2:]) > 0.05 * (saves - 2) * 0.5  # save() waited for the previous one
@@ -235,7 +235,7 @@ def test_back_to_back_saves(tmp_path, case_log):
     rss = outs[0]["rss"]
     case_log(f"{saves} saves requested back to back while the previous one is writing (ws=2, slow writer)",
              f"each save() waited for the previous one (median block {sorted(outs[0]['blocks'])[saves // 2] * 1e3:.0f} ms); "
-             f"all {saves} published, each holds exactly its own files and values; one staging segment; "
+             f"all {saves} published, each holds exactly its own files and values; one staging buffer; "
              f"rank 0 RSS trainer {rss[0][0] // 1024}->{rss[1][0] // 1024} MiB, worker "
              f"{rss[0][1] // 1024}->{rss[1][1] // 1024} MiB", time.monotonic() - t0)
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.faults import lifecycle_fns as L
-from tests.support import can_mount_private_tmpfs, free_port, run_ranks, wait_until
+from tests.support import can_mount_private_tmpfs, free_port, run_ranks, run_ranks_tolerant, wait_until
 
 TIMEOUT = 20.0
 
@@ -67,7 +67,8 @@ def test_a_dropped_checkpointer_leaves_no_segment_or_worker(tmp_path, case_log, 
     outs = run_ranks(L.dropped_checkpointer, 2, str(tmp_path), TIMEOUT, persistent, timeout=180)
     assert all(o["segment_gone"] and o["worker_gone"] for o in outs), outs
     case_log(f"AsyncCheckpointer dropped without close() ({'process' if persistent else 'thread'} mode, ws=2)",
-             "its staging segment is unlinked and its worker stopped when it is garbage-collected",
+             "its staging buffer (never named in /dev/shm) is unmapped and its worker stopped when it is "
+             "garbage-collected",
              time.monotonic() - t0)
 
 
@@ -144,6 +145,81 @@ def test_a_sigkilled_trainer_leaves_no_segment(tmp_path, case_log, persistent):
     def left():
         return [n for n in os.listdir("/dev/shm") if n.startswith(f"solosave_{pid}_")]
 
-    assert wait_until(lambda: not left(), 10.0), left()  # the trainer's resource tracker unlinked it
+    assert wait_until(lambda: not left(), 10.0), left()
     case_log(f"trainer SIGKILLed after a save ({'process' if persistent else 'thread'} mode)",
-             "its staging segment was unlinked by its resource tracker within seconds")
+             "no staging segment left in /dev/shm (it never had a name there after its creation)")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_job_sigkilled_as_a_whole_leaves_no_segment(tmp_path, case_log, persistent):
+    """The whole process group SIGKILLed (a scheduler's preemption, an OOM kill of the job's
+    cgroup): the trainer's resource tracker dies with it, so nothing is left to unlink a named
+    segment; the staging buffer must never be left in /dev/shm."""
+    t0 = time.monotonic()
+    code = _script(L.JOB_KILLED_AS_A_WHOLE.replace("{persistent}", str(persistent)), tmp_path)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    pid = None
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("SAVED"), line + p.stdout.read()
+        pid, maps = int(line.split()[1]), int(line.split()[2])
+        assert maps >= 1  # the trainer had its staging buffer mapped
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+    def left():
+        return [n for n in os.listdir("/dev/shm") if n.startswith(f"solosave_{pid}_")]
+
+    time.sleep(2.0)  # a resource tracker, had one survived, would have unlinked it by now
+    leftover = left()
+    for n in leftover:  # do not leave it for the next test
+        os.unlink(os.path.join("/dev/shm", n))
+    assert leftover == []
+    case_log(f"the trainer's whole process group SIGKILLed with a save in flight "
+             f"({'process' if persistent else 'thread'} mode, 64 MiB staged)",
+             "no staging segment left in /dev/shm (it is unlinked as soon as it is created; "
+             "its memory goes with the last process that maps it)", time.monotonic() - t0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_close_while_an_overlapped_copy_runs_does_not_crash(tmp_path, case_log, persistent):
+    t0 = time.monotonic()
+    res = run_ranks_tolerant(L.close_during_overlapped_copy, 1, str(tmp_path), persistent, timeout=100)
+    kind, out = res[0]
+    assert kind == "ok", (kind, out)  # before: died of SIGSEGV when the held copy ran
+    assert out["close_s"] < 15
+    assert out["mapped_after_close"] >= 1  # close() left the buffer to the copy still running
+    assert out["unmapped"] is True  # and it went when the copy ended
+    assert out["published"] is False and out["a"].startswith("CheckpointError")
+    case_log(f"close(timeout=0.5) while an overlapped staging copy is held back "
+             f"({'process' if persistent else 'thread'} mode)",
+             f"close() returned after {out['close_s']} s; the buffer stayed mapped until the copy "
+             "ended, then was unmapped; no crash; the save was abandoned (CheckpointError, no .metadata)",
+             time.monotonic() - t0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["grow", "free", "set", "drop"])
+def test_a_saved_tensor_resized_or_freed_before_its_overlapped_copy(tmp_path, case_log, how):
+    t0 = time.monotonic()
+    res = run_ranks_tolerant(L.change_before_overlapped_copy, 1, str(tmp_path), how, timeout=100)
+    kind, out = res[0]
+    assert kind == "ok", (kind, out)  # before: SIGSEGV
+    if how == "drop":
+        assert out["error"] is None  # a dropped tensor is kept alive until its copy ends
+    else:
+        assert out["error"].startswith("StagingRaceError") and "'big'" in out["error"], out
+    what = {"grow": "resized larger (resize_)", "free": "whose storage was freed (untyped_storage().resize_(0))",
+            "set": "whose storage was replaced (set_)", "drop": "dropped by the caller (del)"}[how]
+    case_log(f"overlap_staging: a saved tensor {what} before its copy ran",
+             "no crash; " + ("StagingRaceError naming the key from the staging's wait (wait_staged()); "
+                             "its bytes were never read" if how != "drop"
+                             else "no error: the staging holds the tensor until its copy ends"),
+             time.monotonic() - t0)

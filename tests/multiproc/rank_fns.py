@@ -355,7 +355,7 @@ def overlap_staging(rank, ws, root):
             assert_equal(got, expect)
         gate, real = threading.Event(), _stage._copy_cpu
         if rank == 1:
-            _stage._copy_cpu = lambda plan, srcs: (gate.wait(30), real(plan, srcs))
+            _stage._copy_cpu = lambda views, srcs: (gate.wait(30), real(views, srcs))
         h = ck.save(sd, f"{root}/race")
         if rank == 1:
             sd[w].add_(1)  # before wait_staged() and before the copy
@@ -430,3 +430,109 @@ def structure_of_dtensors(rank, ws):
 
     out["fallback"] = local_shard(Opaque()) is full
     return out
+
+
+def dtensor_foreach_step_during_overlapped_staging(rank, ws, root):
+    """D1: DTensor state (FSDP2-style shards) with overlapped staging whose CPU copy starts late.
+
+    (a) ``optimizer.step()`` of ``SGD(foreach=True)`` right after ``save()``, without
+    ``wait_staged()``: its in-place update moves no version counter of a DTensor, so nothing
+    could notice it; the checkpoint must still hold the values of the call. (b) a plain in-place
+    ``add_`` on the DTensor before ``wait_staged()`` is a staging race."""
+    import threading
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from solosave._src.save import staging as _stage
+
+    _fresh(root)
+    mesh = init_device_mesh("cpu", (ws,))
+    p = torch.nn.Parameter(distribute_tensor(torch.arange(64.0 * ws), mesh, [Shard(0)]))
+    p.grad = distribute_tensor(torch.ones(64 * ws), mesh, [Shard(0)])
+    opt = torch.optim.SGD([p], lr=1.0, foreach=True)
+    real = _stage._copy_cpu
+    started = threading.Event()
+
+    def late_copy(*args, **kwargs):  # the copy starts after the step would have run
+        started.set()
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    out = {}
+    _stage._copy_cpu = late_copy
+    try:
+        with solosave.AsyncCheckpointer(overlap_staging=True, persistent_worker=False, timeout=60) as ck:
+            before = p.to_local().detach().clone()
+            h = ck.save({"p": p}, f"{root}/a")
+            opt.step()
+            out["stepped"] = not torch.equal(p.to_local().detach(), before)
+            h.wait()
+            got = {"p": distribute_tensor(torch.zeros(64 * ws), mesh, [Shard(0)])}
+            solosave.load(got, f"{root}/a")
+            out["a_holds_the_call"] = torch.equal(got["p"].to_local(), before)
+            h = ck.save({"p": p}, f"{root}/b")
+            with torch.no_grad():
+                p.add_(1.0)  # not an optimizer: the version counter of the DTensor shows it
+            try:
+                h.wait_staged()
+                out["b_race"] = None
+            except solosave.StagingRaceError as e:
+                out["b_race"] = str(e)
+            try:
+                h.wait()
+                out["b_published"] = True
+            except solosave.CheckpointError:
+                out["b_published"] = os.path.exists(f"{root}/b/.metadata")
+    finally:
+        _stage._copy_cpu = real
+    return out
+
+
+def thread_mode_subgroup_under_a_bound_device(rank, ws, root):
+    """A checkpointer in thread mode on a strict subgroup while the default group says it is
+    bound to a device (as ``init_process_group(device_id=...)`` makes it under NCCL): refused at
+    once with a clear error, before any collective (torch's new_group would have the ranks
+    outside the subgroup wait in an NCCL split that nobody joins)."""
+    sub = dist.new_group([0])
+    world = dist.group.WORLD
+    world.bound_device_id = torch.device("cuda", 0)  # a label only: nothing runs on it here
+    try:
+        if rank != 0:
+            return None
+        try:
+            solosave.AsyncCheckpointer(process_group=sub, persistent_worker=False, timeout=10)
+        except ValueError as e:
+            return str(e)
+        return "no error"
+    finally:
+        world.bound_device_id = None
+
+
+
+def submit_fails(rank: int, ws: int, root: str, persistent: bool) -> dict:
+    """The worker's hand-over fails inside ``save()`` (a transport that raises: test-only, on
+    this one checkpointer): ``save()`` raises it, and neither a later ``save()`` nor ``close()``
+    waits for the job the worker never got."""
+    import time
+
+    ck = solosave.AsyncCheckpointer(persistent_worker=persistent, timeout=120)
+    transport = ck._res.transport
+    real = transport.submit
+
+    def broken(job):
+        raise RuntimeError("hand-over refused")
+
+    transport.submit = broken
+    raised = None
+    try:
+        ck.save({"w": torch.ones(4)}, f"{root}/a")
+    except RuntimeError as e:
+        raised = str(e)
+    transport.submit = real
+    t0 = time.monotonic()
+    mode = ck.save({"w": torch.ones(4)}, f"{root}/b").wait(60).mode
+    t1 = time.monotonic()
+    ck.close()
+    return {"raised": raised, "next_save_mode": mode, "next_save_s": t1 - t0, "close_s": time.monotonic() - t1}

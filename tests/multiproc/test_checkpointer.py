@@ -99,6 +99,24 @@ def test_collective_counts_match_torch_distributed(tmp_path, monkeypatch):
     assert set(observed["trainer"]) <= {"broadcast_object_list", "all_reduce", "barrier"}
 
 
+def test_seam_d1_a_foreach_optimizer_step_on_dtensors_cannot_tear_an_overlapped_save(tmp_path, case_log):
+    out = run_ranks(rank_fns.dtensor_foreach_step_during_overlapped_staging, 1, str(tmp_path))[0]
+    assert out["stepped"] is True
+    assert out["a_holds_the_call"] is True  # the optimizer's step pre-hook waited for the copy
+    assert out["b_race"] is not None and "wait_staged" in out["b_race"], out
+    assert out["b_published"] is False
+    case_log("overlap_staging with DTensor state: SGD(foreach=True).step() right after save(), no "
+             "wait_staged(), the copy held back 0.5 s (D1)",
+             "the optimizer's step pre-hook waited for the copy: the checkpoint holds the values of the "
+             "call; an in-place add_ on the DTensor before wait_staged() is a StagingRaceError, the save "
+             "publishes nothing")
+
+
+def test_thread_mode_on_a_subgroup_under_a_device_bound_world_is_refused(tmp_path):
+    out = run_ranks(rank_fns.thread_mode_subgroup_under_a_bound_device, 2, str(tmp_path))
+    assert "persistent_worker=True" in out[0] and "device_id" in out[0], out[0]
+
+
 def test_overlapped_staging_keeps_the_values_of_the_call_and_fails_a_raced_save(tmp_path, case_log):
     out = run_ranks(rank_fns.overlap_staging, 2, str(tmp_path))
     for r in out:
@@ -109,3 +127,13 @@ def test_overlapped_staging_keeps_the_values_of_the_call_and_fails_a_raced_save(
     case_log("overlap_staging: rank 1 changes a saved tensor in place before wait_staged() and "
              "before its copy is done", "StagingRaceError from wait_staged() on rank 1; the save fails on "
              "both ranks naming rank 1, no .metadata; the next save reuses and publishes")
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_failed_hand_over_is_raised_and_never_waited_for(tmp_path, persistent):
+    """A save whose job never reached the worker (its hand-over raised) raises from ``save()``;
+    the next save and ``close()`` do not wait the checkpointer's timeout (120 s) for it."""
+    (out,) = run_ranks(rank_fns.submit_fails, 1, str(tmp_path), persistent, timeout=200)
+    assert out["raised"] == "hand-over refused"
+    assert out["next_save_mode"] == "collective"
+    assert out["next_save_s"] < 60 and out["close_s"] < 60, out

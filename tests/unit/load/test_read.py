@@ -335,3 +335,20 @@ def test_direct_chunks_are_read_in_few_preadvs(tmp_path, monkeypatch, how):
         assert st.reads == heads_and_tails + 5
     else:  # the batch came back short: every chunk read on its own, in pieces
         assert st.reads > heads_and_tails + 10
+
+
+def test_only_bounded_scratch_buffers_are_pinned_for_cuda_targets():
+    """torch's pinned-memory allocator keeps what it handed out for the rest of the process: a
+    record larger than PINNED_SCRATCH_MAX bound for a CUDA tensor goes through pageable memory,
+    and a host target never asks CUDA anything."""
+    asked = []
+
+    def available():
+        asked.append(1)
+        return True
+
+    limit = _read.PINNED_SCRATCH_MAX
+    assert _read.pin_scratch("cuda", limit, available) is True
+    assert _read.pin_scratch("cuda", limit + 1, available) is False
+    assert _read.pin_scratch("cpu", 16, available) is False
+    assert len(asked) == 1

@@ -15,9 +15,10 @@ from solosave._src.save.buffer import BufferReader
 from solosave._src.save.staging import Stager
 
 
-def _staged_values(staged) -> dict:
+def _staged_values(stager, staged) -> dict:
     reader = BufferReader()
     try:
+        stager.hand_to(reader)
         return {it.spec.fqn: reader.tensor(staged, it).clone() for it in staged.items if it.payload is None}
     finally:
         reader.close()
@@ -40,7 +41,7 @@ def test_the_buffer_holds_the_values_as_of_the_call(overlap):
         for v in sd.values():
             if isinstance(v, torch.Tensor):
                 v.add_(1)  # the next optimizer step
-        got = _staged_values(staged)
+        got = _staged_values(stager, staged)
         assert set(got) == set(expect) and all(torch.equal(got[k], expect[k]) for k in expect)
         assert [it.payload is not None for it in staged.items].count(True) == 1  # "step"
     finally:
@@ -64,9 +65,9 @@ def gated_copy(monkeypatch):
     gate = threading.Event()
     real = _stage._copy_cpu
 
-    def copy(plan, srcs):
+    def copy(views, srcs):
         gate.wait(30)
-        real(plan, srcs)
+        real(views, srcs)
 
     monkeypatch.setattr(_stage, "_copy_cpu", copy)
     return gate
@@ -97,7 +98,7 @@ def test_a_change_after_the_copy_is_done_is_not_a_race():
         staging.wait(30)
         sd["a"].add_(1)
         staging.synchronize()  # no error: the copy had the values of the call
-        assert torch.equal(_staged_values(staged)["a"], sd["a"] - 1)
+        assert torch.equal(_staged_values(stager, staged)["a"], sd["a"] - 1)
     finally:
         stager.close()
 
@@ -113,5 +114,29 @@ def test_an_overlapped_staging_that_does_not_finish_times_out(gated_copy):
             staging.synchronize(0.2)  # the background's wait is bounded too
         gated_copy.set()
         staging.wait(30)
+    finally:
+        stager.close()
+
+
+def test_a_new_staging_never_copies_into_a_buffer_an_old_copy_still_writes(gated_copy):
+    """A staging whose copy outlived its wait (``synchronize`` timed out: that save failed), then
+    a save of the same structure: the new copy goes into another buffer, so the old copy, when it
+    finally runs, cannot change the new save's bytes."""
+    sd = _sd()
+    plan = plan_local(sd)
+    stager = Stager()
+    try:
+        first, staging = stager.stage(plan.specs, plan.values, overlap=True)
+        with pytest.raises(SaveTimeoutError):
+            staging.synchronize(0.2)
+        sd["a"].add_(7)
+        expect = sd["a"].clone()
+        gated_copy.set()  # from here on the copies run: the old one and the new one
+        second, staging2 = stager.stage(plan.specs, plan.values, overlap=True)
+        staging2.wait(30)
+        assert second.buffer != first.buffer
+        with pytest.raises(StagingRaceError):
+            staging.wait(30)  # the old staging: "a" changed before its copy ran
+        assert torch.equal(_staged_values(stager, second)["a"], expect)
     finally:
         stager.close()

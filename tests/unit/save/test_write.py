@@ -29,6 +29,34 @@ def test_a_value_of_a_class_the_worker_cannot_import_keeps_its_padded_slot():
     assert padded.startswith(payload) and not padded[len(payload):].strip(b"\0")
 
 
+def test_seam_d4_a_value_holding_cuda_tensors_keeps_its_padded_slot_without_cuda():
+    """D4, through torch's serialization registry: a value whose storage is tagged ``cuda:0`` (as
+    a CUDA tensor's is) is checked for padding on the CPU (``map_location``), so the worker never
+    initialises CUDA for it, and on a machine without CUDA the value keeps its padded slot
+    instead of drifting on every save."""
+    t = torch.arange(16, dtype=torch.float32)
+    marked = t.untyped_storage().data_ptr()
+
+    def tag_as_cuda(storage):
+        return "cuda:0" if storage.data_ptr() == marked else None
+
+    def never(storage, location):
+        return None
+
+    torch.serialization.register_package(1, tag_as_cuda, never)
+    try:
+        buf = io.BytesIO()
+        torch.save({"ema": (t, 0.999), "step": 3}, buf)
+    finally:
+        registry = torch.serialization._package_registry  # the test's tagger goes again
+        registry[:] = [e for e in registry if e[1] is not tag_as_cuda]
+    payload = buf.getvalue()
+    assert b"cuda:0" in payload
+    padded = padded_payload(payload, bytes_slot(len(payload)))
+    assert padded is not None and len(padded) == bytes_slot(len(payload))
+    assert not torch.cuda.is_initialized()
+
+
 def test_padding_beyond_the_payload_size_is_refused():
     buf = io.BytesIO()
     torch.save(3, buf)

@@ -306,6 +306,14 @@ class WorkerMessage(NamedTuple):
     payload: Any = None  # JobOutcome (OUTCOME), pid (READY) or text (FATAL)
 
 
+class BufferHandoff(NamedTuple):
+    """Trainer -> worker, before the first job that names staging buffer ``name``: the buffer's
+    file descriptor follows on the pipe itself (``SCM_RIGHTS``), as the buffer has no name in
+    the file system (``save/buffer.py``)."""
+
+    name: str
+
+
 # ---------------------------------------------------------------------------------------------
 # Rank <-> rank (collective path)
 # ---------------------------------------------------------------------------------------------

@@ -56,6 +56,10 @@ DIRECT_MIN = 128 << 10
 SPAN_BYTES = 16 << 20
 #: Bytes between two records that a span still reads through instead of starting a new read.
 GAP_MAX = 64 << 10
+#: Largest scratch buffer that is pinned (for a CUDA target): torch's pinned-memory allocator
+#: keeps every block it handed out cached for the rest of the process, so a larger record goes
+#: through pageable memory (a slower copy) instead of leaving that much pinned memory behind.
+PINNED_SCRATCH_MAX = 64 << 20
 #: Bytes read from each end of a large record to decode it (its zip headers and ``data.pkl``).
 PEEK = 4096
 #: At most this many buffers, and about this many bytes, per ``preadv`` of direct chunks (Linux
@@ -182,6 +186,12 @@ def _storage_of(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return -1
+
+
+def pin_scratch(device_type: str, n: int, cuda_available: Any) -> bool:
+    """Whether ``n`` bytes bound for a tensor on ``device_type`` go through pinned memory
+    (``cuda_available``: a callable, asked only when the answer depends on it)."""
+    return device_type == "cuda" and n <= PINNED_SCRATCH_MAX and bool(cuda_available())
 
 
 def _plain_cpu(target: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -356,8 +366,7 @@ class _Loader:
             else:
                 self.stats.copied += 1
         elif region.numel:
-            pinned = target.device.type == "cuda" and torch.cuda.is_available()
-            raw = self._buffer("_scratch", n, pinned)
+            raw = self._buffer("_scratch", n, pin_scratch(target.device.type, n, torch.cuda.is_available))
             src.place(raw.data_ptr(), layout.payload_start + region.lo, n)
             self._before_write(target)
             target.copy_(raw[:n].view(layout.dtype).as_strided(region.size, region.stride))

@@ -38,6 +38,9 @@ class LocalPlan:
     values: dict[str, Any]
     planner_data: dict[str, ObjPath]
     by_key: dict[ItemKey, ItemSpec] = field(default_factory=dict)
+    #: The DTensors by fqn (``values`` holds their local shards): in-place ops on a DTensor move
+    #: its own version counter, not its shard's, so overlapped staging watches both.
+    dtensors: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.by_key:
@@ -237,8 +240,11 @@ def plan_local(state_dict: Mapping[str, Any]) -> LocalPlan:
     flat, mapping = flatten_state_dict(state_dict)
     specs: list[ItemSpec] = []
     values: dict[str, Any] = {}
+    dtensors: dict[str, Any] = {}
     for fqn in sorted(flat):
         spec, local = make_spec(fqn, flat[fqn])
         specs.append(spec)
         values[fqn] = local
-    return LocalPlan(specs, values, mapping)
+        if local is not flat[fqn] and _is_dtensor(flat[fqn]):
+            dtensors[fqn] = flat[fqn]
+    return LocalPlan(specs, values, mapping, dtensors=dtensors)

@@ -105,9 +105,11 @@ class StructureCache:
         cached = self._plan
         # plain tensors as they are (staging copies them without autograd); DTensors' shards
         fresh = dict(zip(keys, values))
+        dtensors = {}
         for i in self._dtensors:
             fresh[keys[i]] = local_shard(values[i])
-        return LocalPlan(cached.specs, fresh, cached.planner_data, by_key=cached.by_key)
+            dtensors[keys[i]] = values[i]
+        return LocalPlan(cached.specs, fresh, cached.planner_data, by_key=cached.by_key, dtensors=dtensors)
 
     def _replan(self, state_dict: Any) -> LocalPlan:
         self._plan = self._keys = self._signature = None

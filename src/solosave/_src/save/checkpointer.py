@@ -121,6 +121,7 @@ class AsyncCheckpointer:
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        _check_thread_mode_group(self.options, self.world_size)
         self._setup_counter = CollectiveCounter()
         self._inflight: _InFlight | None = None
         self._closed = False
@@ -241,7 +242,14 @@ class AsyncCheckpointer:
         started = Started(t_start, built.plan_s, built.stage_s, time.perf_counter() - p0,
                           tuple(self._setup_counter.since(mark)))
         self._inflight = self._track(built.job, started, built.staging)
-        self._submit(built.job, built.staging)
+        try:
+            self._submit(built.job, built.staging)
+        except BaseException as e:
+            # The worker never got this job: nothing will complete its future, so close() and
+            # the next save() must not wait for it.
+            self._inflight.published.set_exception(e)
+            self._inflight = None
+            raise
         return self._inflight.handle
 
     def _track(self, job: SaveJob, started: Started, staging: Staging | None, reported: bool = False) -> _InFlight:
@@ -253,24 +261,31 @@ class AsyncCheckpointer:
         return _InFlight(handle, published, started)
 
     def _submit(self, job: SaveJob, staging: Staging | None) -> None:
-        """Hand ``job`` to the worker; when its copies are still running (CUDA, overlapped
-        staging), from a thread that first waits for them, so the training thread goes on and
-        no CUDA object reaches the worker. A staging that failed (e.g. a tensor changed before
-        its copy) fails the save on every rank instead."""
+        """Hand ``job`` to the worker (first, once per new staging buffer, the buffer's
+        descriptor); when its copies are still running (CUDA, overlapped staging), from a thread
+        that first waits for them (its device set to the trainer's), so the training thread goes
+        on and no CUDA object reaches the worker. A staging that failed (e.g. a tensor changed
+        before its copy) or timed out fails the save on every rank instead."""
+        handoff = staging.handoff() if staging is not None else None
+        if handoff is not None:  # a new staging buffer: its descriptor goes first
+            self._transport.share_buffer(*handoff)
         if staging is None or staging.immediate:
             self._transport.submit(job)
             return
+        timeout = self.options.timeout
 
         def after_copies() -> None:
             try:
                 try:
-                    staging.synchronize(self.options.timeout)
+                    staging.synchronize(timeout)
                     todo = job
                 except Exception as e:  # noqa: BLE001 - the save fails on every rank, naming it
                     todo = SaveSession.fail_staged(job, e)
                 self._transport.submit(todo)
             except BaseException as e:  # noqa: BLE001 - reported by the handle
                 self._submit_error = e
+            finally:
+                staging.settle(max(timeout, 60.0))  # copies that outlived the timeout: their buffer goes after them
 
         threading.Thread(target=after_copies, name="solosave-submit", daemon=True).start()
 
@@ -373,6 +388,21 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_thread_mode_group(options: CheckpointerOptions, group_size: int) -> None:
+    """Thread mode makes its gloo group with ``torch.distributed.new_group``. When the default
+    group is bound to a device (``init_process_group(..., device_id=...)``, eager NCCL) and the
+    checkpointer's group leaves some ranks out, torch has every rank outside it join an NCCL
+    communicator split (``_new_process_group_helper``: ``perform_nocolor_split``) that the ranks
+    inside a gloo group never join: those ranks would hang. Refused at once, on every rank of
+    the group alike (they all see the same sizes)."""
+    if options.persistent_worker or group_size == dist.get_world_size():
+        return
+    if getattr(dist.group.WORLD, "bound_device_id", None) is not None:
+        raise ValueError("persistent_worker=False with a process_group smaller than the world, under a "
+                         "default group bound to a device (init_process_group(device_id=...)), would hang "
+                         "in torch's new_group on the other ranks; use persistent_worker=True (the default)")
 
 
 def _check_writer(writer: FileWriter | None, options: CheckpointerOptions) -> FileWriter | None:

@@ -76,7 +76,7 @@ class RankIO:
     def close(self) -> None:
         self._records = {}  # they hold views of the mapping the reader closes
         self.reuse_program = None
-        self.reader.close()
+        self.reader.release()
 
     # -- data files (every rank) ----------------------------------------------------------------
     def write(self, job: SaveJob, files: list[tuple[str, list[StagedItem]]], pad: dict,

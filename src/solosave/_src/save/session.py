@@ -48,7 +48,7 @@ class SaveSession:
         self.token = 1 if prepared is not None else 0
         self._sent_token = 0
         self.seq = 0
-        self.stager = Stager(options.staging_dir)
+        self.stager = Stager(options.staging_dir, timeout=float(options.timeout))
         self.structure = StructureCache()
         #: (specs, token, stage-everything) -> (reuse plan, specs to stage, held tuple): the
         #: reuse planning of the last structure, redone only when one of them changes.
@@ -68,7 +68,9 @@ class SaveSession:
         plan = self.structure.plan(state_dict)
         reuse, to_stage, held = self._plans(plan)
         t1 = time.perf_counter()
-        staged, staging = self.stager.stage(to_stage, plan.values, overlap=self.options.overlap_staging)
+        overlap = self.options.overlap_staging
+        staged, staging = self.stager.stage(to_stage, plan.values, overlap=overlap,
+                                            watch=plan.dtensors if overlap else None)
         t2 = time.perf_counter()
         return BuiltJob(self._job(directory, plan, staged, reuse, held), staging, t1 - t0, t2 - t1)
 
@@ -119,7 +121,6 @@ class SaveSession:
     def absorb(self, outcome: JobOutcome) -> None:
         """Learn from a finished save (every rank receives the same ``ok`` and metadata)."""
         if outcome.ok:
-            self.stager.buffer_delivered()
             self._stage_everything = False
             if outcome.prepared_metadata is not None:
                 # a reference to the prepared file (or, in memory, the sections themselves): this

@@ -1,6 +1,7 @@
 """Where the background runs: a persistent worker process per rank, or a thread.
 
 Both transports have the same surface, used only by the trainer-side checkpointer:
+``share_buffer(name, fd)`` (a new staging buffer's descriptor, before the first job naming it),
 ``submit(job)`` (hands the job over; the worker is idle then, as the checkpointer has already
 collected the previous outcome), ``poll(timeout) -> JobOutcome | None`` (bounded; raises
 :class:`WorkerDiedError` if the worker is gone), ``close(timeout)`` (never raises).
@@ -34,10 +35,12 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 
 from solosave._src.coordination.channel import DistChannel
 from solosave._src.coordination.protocol import (
+    BufferHandoff,
     ErrorKind,
     JobOutcome,
     Mode,
@@ -109,6 +112,9 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
                 break
             if msg is None:
                 break
+            if isinstance(msg, BufferHandoff):  # its descriptor follows on the pipe
+                engine.io.reader.adopt(msg.name, reduction.recv_handle(conn))
+                continue
             job = expand_job(job, msg)
             conn.send(WorkerMessage(WorkerEvent.OUTCOME, engine.run(job)))
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, then exit
@@ -165,6 +171,18 @@ class ProcessTransport:
             with self._send_lock:
                 self._conn.send(compact_job(self._last, job))
                 self._last = job
+        except OSError as e:  # broken pipe: the worker is gone
+            self._check_alive()
+            raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) is unreachable: {e}") from e
+
+    def share_buffer(self, name: str, fd: int) -> None:
+        """Give the worker staging buffer ``name`` (descriptor ``fd``, duplicated into it),
+        before the first job that names it."""
+        self._check_alive()
+        try:
+            with self._send_lock:
+                self._conn.send(BufferHandoff(name))
+                reduction.send_handle(self._conn, fd, self.pid)
         except OSError as e:  # broken pipe: the worker is gone
             self._check_alive()
             raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) is unreachable: {e}") from e
@@ -260,6 +278,13 @@ class ThreadTransport:
                 kind = SaveKind.REUSE if job.mode is Mode.REUSE else SaveKind.COLLECTIVE
                 self._outcomes.put(JobOutcome(job.seq, False, kind, ErrorKind.INTERNAL,
                                               failures={self.engine.rank: traceback.format_exc() or repr(e)}))
+
+    def share_buffer(self, name: str, fd: int) -> None:
+        """Give the engine's reader staging buffer ``name`` (a duplicate of ``fd``); the engine
+        is idle (its last outcome was collected before this save was staged)."""
+        if not self._thread.is_alive():
+            raise WorkerDiedError("the solosave background thread has stopped")
+        self.engine.io.reader.adopt(name, os.dup(fd))
 
     def submit(self, job: SaveJob) -> None:
         if not self._thread.is_alive():

@@ -90,6 +90,7 @@ def padded_payload(payload: bytes, length: int) -> bytes | None:
     ``__main__``, and resolving a class defined there failed the check on every save, so such
     a value never kept its padded slot and every save whose payload size changed took the
     collective path (issue 12, item 9). Nothing of the user's code runs in the worker here.
+    Storages are mapped to the CPU: the worker never touches CUDA.
     """
     extra = length - len(payload)
     if extra == 0:
@@ -98,7 +99,9 @@ def padded_payload(payload: bytes, length: int) -> bytes | None:
         return None
     data = payload + b"\0" * extra
     try:
-        torch.load(io.BytesIO(data), weights_only=False, pickle_module=_structure_only)
+        # map_location: a value holding CUDA tensors is read back on the CPU, so the worker never
+        # initialises CUDA (and, without CUDA, such a value still keeps its padded slot)
+        torch.load(io.BytesIO(data), weights_only=False, pickle_module=_structure_only, map_location="cpu")
     except Exception:  # noqa: BLE001 - any failure means: do not pad
         return None
     return data
