@@ -8,6 +8,7 @@ destination that is a file (test_checkpointer.py::test_bad_input_is_refused_with
 These tests go through ``AsyncCheckpointer`` and ``solosave.load`` end to end.
 """
 
+import argparse
 import os
 import pickle
 import shutil
@@ -137,3 +138,21 @@ def test_a_prepared_file_one_rank_cannot_read_fails_every_rank_at_once(tmp_path,
     case_log("prepared file readable on rank 0 only (rank 1 cannot find it)",
              f"rank 1: its own PreparedMetadataError; rank 0: PreparedMetadataError naming rank 1 after "
              f"{outs[0]['seconds']:.2f} s (timeout 120 s); no worker started", outs[0]["seconds"])
+
+
+@pytest.mark.parametrize("value", [float("inf"), 9e13, float("nan")])
+def test_an_unbounded_timeout_is_refused_at_validation(value, case_log):
+    """torch turns a timeout into an int64 nanosecond deadline: ``inf`` or ~1e13 s once passed
+    validation, then failed inside the set-up on rank 0 while the others waited in its broadcast.
+    Now the options refuse it, before torch.distributed is even looked at (every rank alike)."""
+    from solosave.integrations import add_checkpoint_args, validate_checkpoint_args
+
+    with pytest.raises(ValueError, match=r"^timeout must be a positive number of seconds, at most 1e9 ") as e:
+        solosave.AsyncCheckpointer(timeout=value)
+    assert "\n" not in str(e.value)
+    args = add_checkpoint_args(argparse.ArgumentParser()).parse_args(["--ckpt-timeout", str(value)])
+    with pytest.raises(ValueError, match=r"^--ckpt-timeout must be a positive number of seconds, at most 1e9 "):
+        validate_checkpoint_args(args)
+    assert solosave.CheckpointerOptions(timeout=1e9).timeout == 1e9  # the limit itself is accepted
+    case_log(f"AsyncCheckpointer(timeout={value!r}) and --ckpt-timeout {value!r}",
+             f"refused when the options are validated, before any collective or worker: {e.value}")
