@@ -58,7 +58,8 @@ def narrow(a: array) -> array:
 
 
 def unpack_specs(packed: PackedSpecs) -> list[ItemSpec]:
-    """The :class:`ItemSpec` objects of a :func:`pack_specs` payload (``owner`` is not sent)."""
+    """The :class:`ItemSpec` objects of a :func:`pack_specs` payload (``owner`` and
+    ``exclusive`` are not sent)."""
     kind_of = tuple(ItemKind)
     out = []
     pos = 0

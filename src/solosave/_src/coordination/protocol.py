@@ -97,7 +97,9 @@ class ItemSpec:
 
     ``nbytes`` is the raw tensor size (numel x element size) for tensors and ``0`` for BYTES
     items, whose serialized size depends on the value. ``owner`` is False when this rank holds
-    a DTensor replica that another replica writes.
+    a DTensor replica that another replica writes. ``exclusive``: no other rank may write this
+    item (a DTensor shard this rank owns, a ShardedTensor shard), so every plan puts it on this
+    rank; a plain tensor may be written by any of its holders.
     """
 
     fqn: str
@@ -108,6 +110,7 @@ class ItemSpec:
     dtype: str | None = None
     nbytes: int = 0
     owner: bool = True
+    exclusive: bool = False
 
     @property
     def key(self) -> ItemKey:
