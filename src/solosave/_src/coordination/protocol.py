@@ -298,8 +298,9 @@ class JobOutcome:
     drifts: dict[int, list[str]] = field(default_factory=dict)
     #: The complete metadata now prepared (create, fallback); every rank receives it.
     prepared_metadata: Any = None  # a PreparedMetadata (a reference to its file, or in memory)
-    #: Whether ``.metadata`` was published (known on every rank).
-    published: bool = False
+    #: Whether ``.metadata`` was published (known on every rank, except after a broken channel:
+    #: ``None`` when this rank cannot tell).
+    published: bool | None = False
     warnings: tuple[str, ...] = ()
     finished_at: float = 0.0
 

@@ -61,6 +61,7 @@ from solosave._src.coordination.protocol import (
     encode_status,
 )
 from solosave._src.core.errors import describe
+from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.index import writer as index
 from solosave._src.plan.layout import check_layout
@@ -69,7 +70,7 @@ from solosave._src.save.buffer import BufferReader
 from solosave._src.save.collective import run_collective
 from solosave._src.save.publish import publish_metadata, stage_metadata, unpublish
 from solosave._src.save.writer import FileWriter, Record
-from solosave._src.storage.storage import StagedCommit, is_url, storage_for
+from solosave._src.storage.storage import StagedCommit, is_url, join, storage_for
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
             "AsyncCheckpointer on every rank")
@@ -127,6 +128,10 @@ class Engine:
         except OutOfStep as e:
             out = self._break(job, ErrorKind.OUT_OF_STEP, f"not published: the ranks are out of step ({e}); a "
                               "save() timed out on some ranks but not on others")
+        except ReceiptLost as e:
+            out = self._break(job, ErrorKind.CHANNEL, f"the background channel failed on this rank during the "
+                              f"save to {job.directory}, after every rank wrote its data ({e}); {e.seen}",
+                              published=e.published)
         except ChannelError as e:
             out = self._break(job, ErrorKind.CHANNEL, f"the background channel failed on this rank during the "
                               f"save to {job.directory} ({e}): another rank's process or worker died, or "
@@ -141,9 +146,10 @@ class Engine:
         timings["coordinate"] = sum(c.seconds for c in calls)
         return dataclasses.replace(out, timings=dict(timings), collectives=calls, finished_at=time.time())
 
-    def _break(self, job: SaveJob, kind: ErrorKind, why: str) -> JobOutcome:
+    def _break(self, job: SaveJob, kind: ErrorKind, why: str, published: bool | None = False) -> JobOutcome:
         self.broken = (kind, f"{why}; {RECREATE}")
-        return JobOutcome(job.seq, False, _kind(job), error_kind=kind, failures={self.rank: self.broken[1]})
+        return JobOutcome(job.seq, False, _kind(job), error_kind=kind, failures={self.rank: self.broken[1]},
+                          published=published)
 
     # -- writing ----------------------------------------------------------------------------
     def write(self, job: SaveJob, files: list[tuple[str, list[StagedItem]]], pad: dict,
@@ -341,13 +347,50 @@ class Engine:
                     self.publish(job, prepared.template.render_parts(os.fspath(job.directory), save_id), timings)
             except Exception as e:  # noqa: BLE001 - reported to every rank through the receipt
                 error = f"publishing failed: {describe(e)}"
-            ch.post_receipt(job.seq, error)
+            try:
+                ch.post_receipt(job.seq, error)
+            except ChannelError as e:
+                raise ReceiptLost(str(e), error is None) from e
         else:
-            error = ch.wait_receipt(job.seq, ch.timeout)
+            try:
+                error = ch.wait_receipt(job.seq, ch.timeout)
+            except ChannelError as e:  # the coordinator may have published before it stopped answering
+                raise ReceiptLost(str(e), self._metadata_seen(job)) from e
         ok = error is None
         return JobOutcome(job.seq, ok, SaveKind.REUSE, None if ok else ErrorKind.FAILED,
                           bytes_written=sum(r[3] for r in results or ()),
                           failures={} if ok else {ch.coordinator: error}, published=ok)
+
+
+    def _metadata_seen(self, job: SaveJob) -> bool | None:
+        """Other ranks, after the receipt was lost: ``True`` if ``job``'s ``.metadata`` exists (every
+        rank removed the old one before writing, so it is this save's), else ``None``: unknown,
+        as the coordinator may still publish it."""
+        try:
+            path = join(job.directory, METADATA_FILE)
+            return True if storage_for(job.directory, self.settings.storage_options).exists(path) else None
+        except Exception:  # noqa: BLE001 - storage unreachable: unknown
+            return None
+
+
+class ReceiptLost(ChannelError):
+    """A reuse save's publication receipt could not be posted (coordinator) or never came (the
+    others): the channel is broken. ``published``: ``True``/``False`` where known (the coordinator
+    knows; another rank knows only once ``.metadata`` is there), ``None`` where it is not."""
+
+    def __init__(self, message: str, published: bool | None) -> None:
+        super().__init__(message)
+        self.published = published
+
+    @property
+    def seen(self) -> str:
+        """What this rank knows of the publication, for its error message."""
+        if self.published:
+            return f"the save's {METADATA_FILE} is there: it was published before the receipt was lost"
+        if self.published is None:
+            return (f"no {METADATA_FILE} was there when this rank stopped waiting; whether the coordinator "
+                    "published it later is unknown on this rank")
+        return f"the coordinator could not publish {METADATA_FILE} either"
 
 
 @dataclass(slots=True)
