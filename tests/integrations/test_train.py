@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import solosave
 from solosave.cli import main as cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -131,6 +132,27 @@ def test_mismatched_prepared_file_fails_clearly(run_a, tmp_path):
     r = train("--steps", 2, "--save", tmp_path / "x", "--ckpt-metadata", other, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "world_size differs" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_auto_prepared_metadata_resumes_at_fewer_ranks(tmp_path, case_log):
+    """--ckpt-metadata auto keeps one prepared file per topology: a resume at 1 rank into the
+    --save of a 2-rank run creates its own file instead of meeting the 2-rank one (it used to
+    exit 2: 'world_size differs ... Delete the file')."""
+    save = tmp_path / "ckpt"
+    flags = ["--save", save, "--save-interval", 2, "--async-save", "--use-persistent-ckpt-worker",
+             "--ckpt-metadata", "auto"]
+    r = train("--steps", 2, *flags, "--json-log", tmp_path / "two.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = train("--nproc", 1, "--steps", 4, "--load", save, *flags, "--json-log", tmp_path / "one.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and "checkpoint of 2 ranks on 1" in r.stdout
+    assert (save / "prepared-w2-n1.metadata").exists() and (save / "prepared-w1-n1.metadata").exists()
+    modes = [s["mode"] for s in records(tmp_path / "one.jsonl", "save")]
+    assert modes == ["create"], modes  # the 2-rank checkpoint does not fit 1 rank: its own file
+    solosave.load_prepared_metadata(save / "prepared-w2-n1.metadata").check_compatible(2, 1)  # untouched
+    case_log("solosave train --ckpt-metadata auto at 2 ranks, then resumed at 1 rank into the same --save",
+             "the resume creates <save>/prepared-w1-n1.metadata (one prepared file per topology) and "
+             "trains and saves; the 2-rank file is left as it was (it used to exit 2: 'world_size differs')")
 
 
 SCRIPT_WITHOUT_MAIN_GUARD = '''

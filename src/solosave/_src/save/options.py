@@ -86,8 +86,9 @@ class CheckpointerOptions:
     prepared_metadata: str | os.PathLike | Metadata | PreparedMetadata | None = option(
         None, flag="--ckpt-metadata", metavar="FILE|auto", help=(
             "prepared metadata to reuse: every save then needs one 8-byte all_reduce. 'auto' (flag "
-            "only): the .metadata of the checkpoint resumed from, if it fits this run, else one is "
-            "created at the first save in <save>/prepared.metadata"))
+            "only): the .metadata of the checkpoint resumed from, if it fits this run, else "
+            "<save>/prepared-w<world size>-n<workers>.metadata (one per topology), created by the "
+            "first save if it does not exist"))
     create_prepared_metadata: bool = option(False, flag="--ckpt-metadata-create", help=(
         "create the prepared metadata file at the first save if it does not exist (collective "
         "path once), then reuse it"))
