@@ -155,6 +155,58 @@ def test_auto_prepared_metadata_resumes_at_fewer_ranks(tmp_path, case_log):
              "trains and saves; the 2-rank file is left as it was (it used to exit 2: 'world_size differs')")
 
 
+def test_resuming_a_checkpoint_of_another_model_fails_in_one_line(run_a, case_log):
+    d, _ = run_a  # saved with --layers 1
+    r = train("--layers", 2, "--steps", 10, "--load", d / "ckpt", timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "solosave train: error" in line]
+    assert len(errors) == 1, r.stderr  # rank 0 says it, once: every rank has the same error
+    assert "was saved by another model: model.blocks.1." in errors[0] and "--layers" in errors[0], errors
+    case_log("solosave train --load of a checkpoint saved with another model (--layers 2 resuming 1 layer)",
+             f"exit status 2 and one line, no traceback: {errors[0].split('error: ', 1)[1][:160]}...")
+
+
+def test_a_user_error_is_printed_once_before_training_and_by_its_rank_after(monkeypatch, capsys):
+    from solosave.demo.job import run_rank
+
+    def fails(training):
+        def body(args, progress):
+            progress.training = training
+            raise solosave.CheckpointError("save to x failed on rank(s) [1]", {1: "OSError: disk full"})
+        return body
+
+    for rank, training, printed in [("0", False, True), ("1", False, False), ("1", True, True)]:
+        monkeypatch.setenv("RANK", rank)
+        assert run_rank(None, fails(training)) == 2
+        err = capsys.readouterr().err
+        if not printed:
+            assert err == ""  # rank 0 says it: before training every rank meets the same error
+            continue
+        assert err.count("\n") == 1 and "Traceback" not in err, err  # one line, its parts joined
+        where = " on rank 1" if training else ""
+        assert err == f"solosave train: error{where}: save to x failed on rank(s) [1]; rank 1: OSError: disk full\n"
+
+
+def test_check_fits_names_the_first_difference():
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    from solosave.demo.job import check_fits
+
+    def md(*shape):
+        return TensorStorageMetadata(TensorProperties(), torch.Size(shape), [])
+
+    sd = {"model": {"a": torch.zeros(2, 3)}, "train": {"step": 4}}
+    check_fits(sd, {"model.a": md(2, 3), "train.step": BytesStorageMetadata()}, "ck")
+    with pytest.raises(ValueError, match=r"model.a has shape \[4, 3\] there, \[2, 3\] in this model; resume"):
+        check_fits(sd, {"model.a": md(4, 3)}, "ck")
+    with pytest.raises(ValueError, match=r"model.b is there, not in this model; resume"):
+        check_fits(sd, {"model.a": md(2, 3), "model.b": md(1)}, "ck")
+    with pytest.raises(ValueError, match=r"model.a is missing there \(and 1 more differences\)"):
+        check_fits(sd, {"model.c": md(1)}, "ck")
+
+
 SCRIPT_WITHOUT_MAIN_GUARD = '''
 import sys, torch, torch.distributed as dist
 import solosave
