@@ -167,6 +167,15 @@ def test_resuming_a_checkpoint_of_another_model_fails_in_one_line(run_a, case_lo
              f"exit status 2 and one line, no traceback: {errors[0].split('error: ', 1)[1][:160]}...")
 
 
+def test_a_save_directory_that_cannot_be_created_fails_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    r = train("--steps", 2, "--save", tmp_path / "file" / "ck", "--save-interval", 2, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if "solosave train: error" in line]
+    assert len(errors) == 1 and "cannot create it (Not a directory)" in errors[0], r.stderr  # not one per rank
+    assert "Traceback" not in r.stderr
+
+
 def test_a_user_error_is_printed_once_before_training_and_by_its_rank_after(monkeypatch, capsys):
     from solosave.demo.job import run_rank
 

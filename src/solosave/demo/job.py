@@ -169,9 +169,16 @@ def check_fits(sd: dict[str, Any], saved: dict[str, Any], path: str) -> None:
 
 
 def checkpointing(args: argparse.Namespace, state: RankState, reporter: Reporter) -> CheckpointManager | None:
-    """The checkpoint manager the flags describe (``None`` without ``--save``); every rank."""
+    """The checkpoint manager the flags describe (``None`` without ``--save``); every rank. A local
+    ``--save`` that cannot be created is refused here, before training, by every rank alike."""
     if not args.save:
         return None
+    if "://" not in str(args.save):
+        try:
+            os.makedirs(args.save, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--save {args.save}: cannot create it ({e.strerror}); choose a writable "
+                             "directory") from None
     ckpt = checkpointer_from_args(args, resumed_from=state.resumed_from)
     return CheckpointManager(args.save, ckpt, keep_last=args.keep_last, keep_every=args.keep_every,
                              async_save=args.async_save, on_done=reporter.save_done)
