@@ -361,7 +361,6 @@ class Engine:
                           bytes_written=sum(r[3] for r in results or ()),
                           failures={} if ok else {ch.coordinator: error}, published=ok)
 
-
     def _metadata_seen(self, job: SaveJob) -> bool | None:
         """Other ranks, after the receipt was lost: ``True`` if ``job``'s ``.metadata`` exists (every
         rank removed the old one before writing, so it is this save's), else ``None``: unknown,

@@ -24,9 +24,9 @@ from solosave._src.prepared.prepared import PreparedMetadata
 
 DRIFT_POLICIES = ("fallback", "raise")
 #: The longest ``timeout`` accepted, in seconds (about 31 years). torch turns a timeout into a
-#: deadline in int64 nanoseconds (a TCPStore created with 9.3e9 s timed out at once) and gloo
-#: refuses a negative one, so a larger value, or ``inf``, would fail deep inside the set-up on
-#: some ranks only and leave the others waiting in its broadcast.
+#: deadline in int64 nanoseconds and gloo refuses a negative one, so a much larger value, or
+#: ``inf``, would fail deep inside the set-up on some ranks only and leave the others waiting
+#: in its broadcast.
 MAX_TIMEOUT_S = 1e9
 
 
