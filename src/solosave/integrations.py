@@ -107,15 +107,25 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
     _checkpointer_options(args, None)
 
 
-def _checkpointer_options(args: argparse.Namespace, prepared: PreparedMetadata | None) -> CheckpointerOptions:
+def auto_prepared_path(save_dir: str | os.PathLike, world_size: int, workers: int) -> str:
+    """Where ``--ckpt-metadata auto`` keeps its prepared file when it has none to reuse:
+    ``<save>/prepared-w<world size>-n<workers>.metadata``, one per topology (as torchtitan's
+    manager names its own), so a resume at another world size or ``--dist-ckpt-workers`` creates
+    a file of its own instead of meeting one it cannot use."""
+    return backend_for(save_dir).join(save_dir, f"prepared-w{world_size}-n{workers}.metadata")
+
+
+def _checkpointer_options(args: argparse.Namespace, prepared: PreparedMetadata | None,
+                          world_size: int = 1) -> CheckpointerOptions:
     """The options the flags describe; ``--ckpt-metadata auto`` becomes ``prepared`` (the
-    resumed checkpoint's metadata, when it fits this run) or a prepared file to create."""
+    resumed checkpoint's metadata, when it fits this run) or the prepared file of this run's
+    topology (``world_size`` ranks), created by the first save if it does not exist."""
     if args.prepared_metadata != AUTO:
         return options_from_args(args, CheckpointerOptions)
     if prepared is not None:
         return options_from_args(args, CheckpointerOptions, prepared_metadata=prepared)
     return options_from_args(args, CheckpointerOptions, create_prepared_metadata=True,
-                             prepared_metadata=backend_for(args.save).join(args.save, "prepared.metadata"))
+                             prepared_metadata=auto_prepared_path(args.save, world_size, args.workers))
 
 
 # -- the checkpoint directory ------------------------------------------------------------------
@@ -203,10 +213,11 @@ def checkpointer_from_args(args: argparse.Namespace, process_group: Any = None,
 
     validate_checkpoint_args(args)
     prepared = None
+    world_size = dist.get_world_size(process_group)
     if args.prepared_metadata == AUTO and resumed_from is not None:
-        prepared = prepared_for_resume(resumed_from, dist.get_world_size(process_group), args.workers,
+        prepared = prepared_for_resume(resumed_from, world_size, args.workers,
                                        getattr(args, "storage_options", None))
-    options = _checkpointer_options(args, prepared)
+    options = _checkpointer_options(args, prepared, world_size)
     if overrides:
         options = dataclasses.replace(options, **overrides)
     return AsyncCheckpointer(process_group, options=options)
@@ -345,7 +356,7 @@ def read_latest_marker(save_dir: str | os.PathLike, storage_options: StorageOpti
 
 
 __all__ = [
-    "AUTO", "LATEST_FILE", "CheckpointManager", "PublishedSave", "add_checkpoint_args",
+    "AUTO", "LATEST_FILE", "CheckpointManager", "PublishedSave", "add_checkpoint_args", "auto_prepared_path",
     "checkpoint_dir", "checkpointer_from_args", "find_latest_checkpoint", "prepared_for_resume",
     "prunable_checkpoints", "published_checkpoints", "read_latest_marker", "validate_checkpoint_args",
 ]

@@ -107,6 +107,8 @@ class FaultWriter(solosave.FileWriter):
     * ``"publish_block"`` (rank 0, the coordinator): write normally, but patch the worker's
       commit primitive so that the rename of ``publish_dst`` blocks after its temporary file
       is written and fsynced (the test kills the worker there);
+    * ``"publish_block_after"``: the same, but the rename is done first, then it blocks (the
+      test kills the worker after publication, before its receipt);
     * ``"delay"``: sleep ``block_s`` before writing normally.
 
     ``delay_s`` slows every file write down (for back-pressure tests).
@@ -125,8 +127,9 @@ class FaultWriter(solosave.FileWriter):
                and relative_path.startswith(f"__{self.rank}_"))
         if not hit:
             return super().write_file(directory, relative_path, records)
-        if self.action == "publish_block":
-            _install_blocking_replace(self.publish_dst or "", self.marker or "", self.block_s)
+        if self.action in ("publish_block", "publish_block_after"):
+            _install_blocking_replace(self.publish_dst or "", self.marker or "", self.block_s,
+                                      after=self.action == "publish_block_after")
             return super().write_file(directory, relative_path, records)
         if self.action == "delay":
             time.sleep(self.block_s)
@@ -152,26 +155,31 @@ def _touch(path: str | None, text: str = "") -> None:
 
 class _BlockingOs:
     """Stands in for ``os`` inside ``solosave._src.storage.local`` of one worker process: ``replace`` onto
-    ``dst`` signals ``marker`` and blocks (the temporary file is complete and fsynced by then)."""
+    ``dst`` signals ``marker`` and blocks (the temporary file is complete and fsynced by then);
+    with ``after``, it renames first, then signals and blocks."""
 
-    def __init__(self, real: Any, dst: str, marker: str, block_s: float) -> None:
-        self._real, self._dst, self._marker, self._block_s = real, dst, marker, block_s
+    def __init__(self, real: Any, dst: str, marker: str, block_s: float, after: bool = False) -> None:
+        self._real, self._dst, self._marker, self._block_s, self._after = real, dst, marker, block_s, after
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
     def replace(self, src: Any, dst: Any) -> None:
-        if os.fspath(dst) == self._dst:
-            _touch(self._marker, os.fspath(src))
-            time.sleep(self._block_s)
-        return self._real.replace(src, dst)
+        if os.fspath(dst) != self._dst:
+            return self._real.replace(src, dst)
+        if self._after:
+            self._real.replace(src, dst)
+        _touch(self._marker, os.fspath(src))
+        time.sleep(self._block_s)
+        if not self._after:
+            self._real.replace(src, dst)
 
 
-def _install_blocking_replace(dst: str, marker: str, block_s: float) -> None:
+def _install_blocking_replace(dst: str, marker: str, block_s: float, after: bool = False) -> None:
     import solosave._src.storage.local as local  # where RenameCommit (temp file, fsync, rename) lives
 
     if not isinstance(local.os, _BlockingOs):
-        local.os = _BlockingOs(os, dst, marker, block_s)
+        local.os = _BlockingOs(os, dst, marker, block_s, after)
 
 
 def wait_for_file(path: str, timeout: float = 30.0) -> float:
@@ -353,6 +361,32 @@ def coordinator_killed_at_publish(rank: int, ws: int, root: str, what: str, time
     ck.close(timeout)
     dist.barrier()
     out["prep_after"] = open(prep, "rb").read() if rank == 0 and os.path.exists(prep) else None
+    out["c2"] = _recover(rank, root, sd, 2, "c2", timeout)
+    return out
+
+
+def receipt_lost(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """c0 (create) succeeds; in c1 (reuse) the coordinator's worker renames ``.metadata`` into
+    place and is SIGKILLed before it posts its publication receipt. Every rank reports what it
+    knows of c1's publication; then every rank recreates its checkpointer and saves c2."""
+    _fresh(root)
+    marker = f"{root}/marker"
+    sd = sd_at(rank, 0)
+    w = FaultWriter(0, "c1", "publish_block_after", marker, publish_dst=f"{root}/c1/.metadata")
+    out: dict = {}
+    ck = _reuse_ck(root, timeout, w)
+    ck.save(sd, f"{root}/c0").wait(SETUP_WAIT)
+    set_step(sd, rank, 1)
+    h = ck.save(sd, f"{root}/c1")
+    t0 = time.monotonic()
+    if rank == 0:
+        wait_for_file(marker)
+        out["published_at_kill"] = os.path.exists(f"{root}/c1/.metadata")
+        os.kill(ck.worker_pid, signal.SIGKILL)
+    out["c1"] = _wait(h, timeout)
+    out["c1"]["after_s"] = round(time.monotonic() - t0, 2)
+    ck.close(timeout)  # rank 0's store goes with it: what the other ranks were waiting on
+    dist.barrier()
     out["c2"] = _recover(rank, root, sd, 2, "c2", timeout)
     return out
 

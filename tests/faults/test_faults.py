@@ -111,7 +111,9 @@ def test_coordinator_killed_before_rename(tmp_path, case_log, what):
         # rank 1 waits for the coordinator's publication receipt, which never comes
         assert o1["c1"]["is_checkpoint_error"] and o1["c1"]["after_s"] < BOUND, o1["c1"]
         assert "background channel failed" in o1["c1"]["msg"], o1["c1"]
-        other = f"rank 1: {o1['c1']['type']} (no publication receipt) after {o1['c1']['after_s']} s"
+        assert "cannot tell whether its .metadata was published" in o1["c1"]["msg"], o1["c1"]
+        other = (f"rank 1: {o1['c1']['type']} (no publication receipt; it cannot tell whether .metadata "
+                 f"was published) after {o1['c1']['after_s']} s")
         label = "coordinator killed after writing the temporary .metadata, before the rename (ws=2, reuse)"
     else:
         assert o1["c1"]["is_checkpoint_error"] and o1["c1"]["after_s"] < BOUND, o1["c1"]
@@ -123,6 +125,31 @@ def test_coordinator_killed_before_rename(tmp_path, case_log, what):
              f"(both loaders refuse: {', '.join(refused)}); prepared file byte-identical to the old one; "
              f"a stray temporary file is left; c0 loads; recreated checkpointers saved c2 "
              f"({outs[0]['c2']['mode']}), which loads", time.monotonic() - t0)
+
+
+@pytest.mark.timeout(150)
+def test_a_lost_publication_receipt_is_not_reported_as_no_publication(tmp_path, case_log):
+    """The coordinator's worker dies after renaming .metadata into place, before its receipt:
+    the other rank must not claim that nothing was published (it used to)."""
+    t0 = time.monotonic()
+    outs = _ok(run_ranks_tolerant(F.receipt_lost, 2, str(tmp_path), TIMEOUT, timeout=140))
+    o0, o1 = outs[0], outs[1]
+    assert o0["published_at_kill"] and _published(tmp_path / "c1")
+    assert o0["c1"]["type"] == "WorkerDiedError"
+    e = o1["c1"]
+    assert e["is_checkpoint_error"] and e["after_s"] < BOUND, e
+    assert "no .metadata was published" not in e["msg"], e["msg"]
+    assert "its .metadata was published before the failure was known" in e["msg"], e["msg"]
+    assert "background channel failed" in e["msg"] and "it was published before the receipt was lost" in e["msg"]
+    F.check_loads(str(tmp_path / "c1"), 2, 1)  # the published checkpoint is complete
+    F.check_loads(str(tmp_path / "c2"), 2, 2)
+    assert all(o["c2"]["type"] is None for o in outs.values())
+    case_log("coordinator's worker SIGKILLed after renaming .metadata into place, before its publication "
+             "receipt (ws=2, reuse)",
+             f"rank 0: WorkerDiedError after {o0['c1']['after_s']} s; rank 1: CheckpointError after "
+             f"{e['after_s']} s saying the .metadata is there (published before the receipt was lost), no "
+             "longer 'no .metadata was published'; c1 loads and matches; recreated checkpointers saved "
+             f"c2 ({o0['c2']['mode']}), which loads", time.monotonic() - t0)
 
 
 _CHILD = r"""

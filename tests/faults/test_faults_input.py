@@ -8,6 +8,7 @@ destination that is a file (test_checkpointer.py::test_bad_input_is_refused_with
 These tests go through ``AsyncCheckpointer`` and ``solosave.load`` end to end.
 """
 
+import argparse
 import os
 import pickle
 import shutil
@@ -15,6 +16,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import solosave
 from tests.faults import fault_fns as F
@@ -137,3 +139,63 @@ def test_a_prepared_file_one_rank_cannot_read_fails_every_rank_at_once(tmp_path,
     case_log("prepared file readable on rank 0 only (rank 1 cannot find it)",
              f"rank 1: its own PreparedMetadataError; rank 0: PreparedMetadataError naming rank 1 after "
              f"{outs[0]['seconds']:.2f} s (timeout 120 s); no worker started", outs[0]["seconds"])
+
+
+@pytest.mark.parametrize("value", [float("inf"), 9e13, float("nan")])
+def test_an_unbounded_timeout_is_refused_at_validation(value, case_log):
+    """torch turns a timeout into an int64 nanosecond deadline: ``inf`` or ~1e13 s once passed
+    validation, then failed inside the set-up on rank 0 while the others waited in its broadcast.
+    Now the options refuse it, before torch.distributed is even looked at (every rank alike)."""
+    from solosave.integrations import add_checkpoint_args, validate_checkpoint_args
+
+    with pytest.raises(ValueError, match=r"^timeout must be a positive number of seconds, at most 1e9 ") as e:
+        solosave.AsyncCheckpointer(timeout=value)
+    assert "\n" not in str(e.value)
+    args = add_checkpoint_args(argparse.ArgumentParser()).parse_args(["--ckpt-timeout", str(value)])
+    with pytest.raises(ValueError, match=r"^--ckpt-timeout must be a positive number of seconds, at most 1e9 "):
+        validate_checkpoint_args(args)
+    assert solosave.CheckpointerOptions(timeout=1e9).timeout == 1e9  # the limit itself is accepted
+    case_log(f"AsyncCheckpointer(timeout={value!r}) and --ckpt-timeout {value!r}",
+             f"refused when the options are validated, before any collective or worker: {e.value}")
+
+
+def _as_written_by_old_dcp(ck) -> bytes:
+    """``ck``'s .metadata as DCP of torch <= 2.1 pickled it: TensorProperties (and its memory-format
+    enum) from torch.distributed._shard.sharded_tensor.metadata, no storage_meta, no version."""
+    import warnings
+
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as OldProperties
+
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for item in md.state_dict_metadata.values():
+            if hasattr(item, "properties"):
+                item.properties = OldProperties(dtype=item.properties.dtype)
+    del md.__dict__["storage_meta"], md.__dict__["version"]  # fields added after 2.1
+    return pickle.dumps(md)
+
+
+@pytest.mark.timeout(60)
+def test_an_older_dcp_metadata_with_sharded_tensor_properties_loads(tmp_path, case_log):
+    ck = tmp_path / "ck"
+    sd = {"w": torch.arange(6.0), "b": torch.ones(2, 3, dtype=torch.bfloat16), "step": 3}
+    dcp_save_local(sd, checkpoint_id=str(ck))
+    old = _as_written_by_old_dcp(ck)
+    assert b"torch.distributed._shard.sharded_tensor.metadata" in old and b"MEM_FORMAT_ENCODING" in old
+    (ck / ".metadata").write_bytes(old)
+    for load in (lambda t: solosave.load(t, ck), lambda t: dcp.load(t, checkpoint_id=str(ck), no_dist=True)):
+        target = {"w": torch.zeros(6), "b": torch.zeros(2, 3, dtype=torch.bfloat16), "step": 0}
+        load(target)
+        assert torch.equal(target["w"], sd["w"]) and torch.equal(target["b"], sd["b"]) and target["step"] == 3
+    props = solosave.load_prepared_metadata(ck).metadata.state_dict_metadata["w"].properties
+    assert type(props).__module__ == "torch.distributed.checkpoint.metadata"  # read as today's class
+    # an alias, not an opening: the rest of that module is still refused
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+
+    (ck / ".metadata").write_bytes(pickle.dumps(ShardedTensorMetadata()))
+    with pytest.raises(solosave.UnsafeMetadataError, match="sharded_tensor.metadata.ShardedTensorMetadata"):
+        solosave.load({"w": torch.zeros(6)}, ck)
+    case_log("a .metadata written by DCP of torch <= 2.1 (TensorProperties of torch.distributed._shard)",
+             "solosave.load reads it (an allowlisted alias of today's class) and matches, as stock "
+             "dcp.load does; any other global of that module is still refused (UnsafeMetadataError)")

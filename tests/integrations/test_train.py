@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import solosave
 from solosave.cli import main as cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -131,6 +132,88 @@ def test_mismatched_prepared_file_fails_clearly(run_a, tmp_path):
     r = train("--steps", 2, "--save", tmp_path / "x", "--ckpt-metadata", other, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "world_size differs" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_auto_prepared_metadata_resumes_at_fewer_ranks(tmp_path, case_log):
+    """--ckpt-metadata auto keeps one prepared file per topology: a resume at 1 rank into the
+    --save of a 2-rank run creates its own file instead of meeting the 2-rank one (it used to
+    exit 2: 'world_size differs ... Delete the file')."""
+    save = tmp_path / "ckpt"
+    flags = ["--save", save, "--save-interval", 2, "--async-save", "--use-persistent-ckpt-worker",
+             "--ckpt-metadata", "auto"]
+    r = train("--steps", 2, *flags, "--json-log", tmp_path / "two.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = train("--nproc", 1, "--steps", 4, "--load", save, *flags, "--json-log", tmp_path / "one.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and "checkpoint of 2 ranks on 1" in r.stdout
+    assert (save / "prepared-w2-n1.metadata").exists() and (save / "prepared-w1-n1.metadata").exists()
+    modes = [s["mode"] for s in records(tmp_path / "one.jsonl", "save")]
+    assert modes == ["create"], modes  # the 2-rank checkpoint does not fit 1 rank: its own file
+    solosave.load_prepared_metadata(save / "prepared-w2-n1.metadata").check_compatible(2, 1)  # untouched
+    case_log("solosave train --ckpt-metadata auto at 2 ranks, then resumed at 1 rank into the same --save",
+             "the resume creates <save>/prepared-w1-n1.metadata (one prepared file per topology) and "
+             "trains and saves; the 2-rank file is left as it was (it used to exit 2: 'world_size differs')")
+
+
+def test_resuming_a_checkpoint_of_another_model_fails_in_one_line(run_a, case_log):
+    d, _ = run_a  # saved with --layers 1
+    r = train("--layers", 2, "--steps", 10, "--load", d / "ckpt", timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "solosave train: error" in line]
+    assert len(errors) == 1, r.stderr  # rank 0 says it, once: every rank has the same error
+    assert "was saved by another model: model.blocks.1." in errors[0] and "--layers" in errors[0], errors
+    case_log("solosave train --load of a checkpoint saved with another model (--layers 2 resuming 1 layer)",
+             f"exit status 2 and one line, no traceback: {errors[0].split('error: ', 1)[1][:160]}...")
+
+
+def test_a_save_directory_that_cannot_be_created_fails_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    r = train("--steps", 2, "--save", tmp_path / "file" / "ck", "--save-interval", 2, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if "solosave train: error" in line]
+    assert len(errors) == 1 and "cannot create it (Not a directory)" in errors[0], r.stderr  # not one per rank
+    assert "Traceback" not in r.stderr
+
+
+def test_a_user_error_is_printed_once_before_training_and_by_its_rank_after(monkeypatch, capsys):
+    from solosave.demo.job import run_rank
+
+    def fails(training):
+        def body(args, progress):
+            progress.training = training
+            raise solosave.CheckpointError("save to x failed on rank(s) [1]", {1: "OSError: disk full"})
+        return body
+
+    for rank, training, printed in [("0", False, True), ("1", False, False), ("1", True, True)]:
+        monkeypatch.setenv("RANK", rank)
+        assert run_rank(None, fails(training)) == 2
+        err = capsys.readouterr().err
+        if not printed:
+            assert err == ""  # rank 0 says it: before training every rank meets the same error
+            continue
+        assert err.count("\n") == 1 and "Traceback" not in err, err  # one line, its parts joined
+        where = " on rank 1" if training else ""
+        assert err == f"solosave train: error{where}: save to x failed on rank(s) [1]; rank 1: OSError: disk full\n"
+
+
+def test_check_fits_names_the_first_difference():
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    from solosave.demo.job import check_fits
+
+    def md(*shape):
+        return TensorStorageMetadata(TensorProperties(), torch.Size(shape), [])
+
+    sd = {"model": {"a": torch.zeros(2, 3)}, "train": {"step": 4}}
+    check_fits(sd, {"model.a": md(2, 3), "train.step": BytesStorageMetadata()}, "ck")
+    with pytest.raises(ValueError, match=r"model.a has shape \[4, 3\] there, \[2, 3\] in this model; resume"):
+        check_fits(sd, {"model.a": md(4, 3)}, "ck")
+    with pytest.raises(ValueError, match=r"model.b is there, not in this model; resume"):
+        check_fits(sd, {"model.a": md(2, 3), "model.b": md(1)}, "ck")
+    with pytest.raises(ValueError, match=r"model.a is missing there \(and 1 more differences\)"):
+        check_fits(sd, {"model.c": md(1)}, "ck")
 
 
 SCRIPT_WITHOUT_MAIN_GUARD = '''

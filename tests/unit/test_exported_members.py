@@ -15,6 +15,11 @@ def test_exceptions_form_the_documented_tree():
     assert issubclass(solosave.FingerprintMismatchError, solosave.PreparedMetadataError)
     assert issubclass(solosave.SaveTimeoutError, TimeoutError)
     assert issubclass(solosave.CheckpointExistsError, FileExistsError)
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP's, a BaseException
+
+    assert issubclass(solosave.CheckpointExistsError, CheckpointException)
+    assert issubclass(solosave.CheckpointExistsError, Exception)  # still caught by `except Exception`
+    assert not issubclass(solosave.CheckpointError, CheckpointException)
     assert issubclass(solosave.CorruptCheckpointError, solosave.SolosaveError)
     assert not issubclass(solosave.CorruptCheckpointError, solosave.CheckpointError)
 

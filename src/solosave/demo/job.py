@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import solosave
 from solosave._src.core.errors import SolosaveError
+from solosave._src.plan.local_plan import flatten_state_dict
 
 from ..integrations import CheckpointManager, checkpointer_from_args, find_latest_checkpoint
 from .data import batch_at, lr_at, make_corpus
@@ -121,6 +123,7 @@ def resume(args: argparse.Namespace, state: RankState) -> tuple[int, int]:
     own_rng = f"rng.rank{state.rank}" in saved
     if not own_rng:  # resumed at a larger world size: this rank has no RNG state in the checkpoint
         del sd["rng"]
+    check_fits(sd, saved, point[1])
     t_load = time.perf_counter()
     solosave.load(sd, point[1], storage_options=args.storage_options)
     t_load = time.perf_counter() - t_load
@@ -142,10 +145,40 @@ def resume(args: argparse.Namespace, state: RankState) -> tuple[int, int]:
     return step, position
 
 
+def check_fits(sd: dict[str, Any], saved: dict[str, Any], path: str) -> None:
+    """Raise ``ValueError`` (one line: the first difference, how many more, the fix) unless the
+    checkpoint's entries ``saved`` hold every tensor of ``sd`` at its shape, and the checkpoint
+    has no model entry that ``sd`` lacks (a deeper model's extra blocks would be dropped
+    silently). Every rank finds the same: the model and the checkpoint are the same on all."""
+    flat, _ = flatten_state_dict(sd)
+    problems = []
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        md = saved.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            problems.append(f"{key} is {'not a tensor' if md is not None else 'missing'} there")
+        elif tuple(md.size) != tuple(value.shape):
+            problems.append(f"{key} has shape {list(md.size)} there, {list(value.shape)} in this model")
+    problems += [f"{key} is there, not in this model" for key in saved
+                 if key.startswith("model.") and key not in flat]
+    if problems:
+        more = f" (and {len(problems) - 1} more differences)" if len(problems) > 1 else ""
+        raise ValueError(f"--load {path} was saved by another model: {problems[0]}{more}; resume with the "
+                         "model flags of the run that saved it (--layers, --d-model, --heads, --vocab)")
+
+
 def checkpointing(args: argparse.Namespace, state: RankState, reporter: Reporter) -> CheckpointManager | None:
-    """The checkpoint manager the flags describe (``None`` without ``--save``); every rank."""
+    """The checkpoint manager the flags describe (``None`` without ``--save``); every rank. A local
+    ``--save`` that cannot be created is refused here, before training, by every rank alike."""
     if not args.save:
         return None
+    if "://" not in str(args.save):
+        try:
+            os.makedirs(args.save, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--save {args.save}: cannot create it ({e.strerror}); choose a writable "
+                             "directory") from None
     ckpt = checkpointer_from_args(args, resumed_from=state.resumed_from)
     return CheckpointManager(args.save, ckpt, keep_last=args.keep_last, keep_every=args.keep_every,
                              async_save=args.async_save, on_done=reporter.save_done)
@@ -226,14 +259,29 @@ def finish(state: RankState, manager: CheckpointManager | None, failures: int) -
     return 1 if failures else 0
 
 
-def run_rank(args: argparse.Namespace) -> int:
-    """One rank of the job. A user-fixable error (bad prepared metadata, an existing checkpoint,
-    a bad flag) prints one line on rank 0 and returns 2 on every rank, without a traceback."""
+@dataclass
+class Progress:
+    """How far a rank got: until ``training``, every rank meets the same errors (the flags, the
+    model, the checkpoint it resumes and the checkpointer's set-up are the same on all)."""
+
+    training: bool = False
+
+
+def run_rank(args: argparse.Namespace, body: Any = None) -> int:
+    """One rank of the job (``body(args, progress)``, default: the job). A user-fixable error
+    (bad prepared metadata, an existing checkpoint, a checkpoint of another model, a bad flag)
+    prints one line and returns 2, without a traceback: before training, every rank has the same
+    error and rank 0 prints it; once training, the rank that raised it prints it, naming itself
+    (another rank may not have it)."""
+    progress = Progress()
     try:
-        return _run(args)
+        return (body or _run)(args, progress)
     except (SolosaveError, ValueError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"solosave train: error: {e}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or progress.training:
+            where = f" on rank {rank}" if progress.training else ""
+            line = "; ".join(part.strip() for part in str(e).splitlines() if part.strip())
+            print(f"solosave train: error{where}: {line}", file=sys.stderr, flush=True)
         if dist.is_initialized():  # leave it before exiting: a live gloo group at interpreter
             try:                   # exit aborted a rank once ("terminate called", exit -6)
                 dist.destroy_process_group()
@@ -242,7 +290,7 @@ def run_rank(args: argparse.Namespace) -> int:
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, progress: Progress) -> int:
     state = build(args)
     if args.exit_signal_handler:
         def on_signal(signum: int, frame: Any) -> None:
@@ -253,6 +301,7 @@ def _run(args: argparse.Namespace) -> int:
     step, position = resume(args, state)
     reporter = Reporter(args, state.rank, step)
     manager = checkpointing(args, state, reporter)
+    progress.training = True
     try:
         loop(args, state, manager, reporter, step, position)
     finally:

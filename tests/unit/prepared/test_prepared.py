@@ -282,6 +282,36 @@ def test_sectioned_reuse_plan_finds_items_written_by_other_ranks_in_the_director
     assert "a new item" in pm.spec_matches(ItemSpec("model.new", ItemKind.BYTES))
 
 
+def test_a_dtensor_chunk_whose_owner_is_not_its_prepared_writer_is_a_drift():
+    """A DTensor chunk is staged by its owner only: after a placement change, a rank that owns a
+    chunk the layout puts elsewhere, or holds as a replica one its layout puts on it, must drift
+    (it stages everything it owns then), or the fallback another rank's drift starts finds the
+    chunk staged by no rank. A plain tensor (any holder may write it) placed elsewhere is no drift."""
+    from solosave._src.coordination.protocol import ItemKind, ItemSpec
+    from solosave._src.plan.local_plan import LocalPlan
+    from solosave._src.prepared.sections import SectionReader
+    from solosave._src.storage.sources import BytesSource
+
+    blob, _ = _sharded_prepared(world=4)  # rank r writes the chunk at row 2r of model.t0..t2
+    pm = solosave.PreparedMetadata(SectionReader(BytesSource(blob)))
+
+    def chunk(t, row, owner=True, exclusive=True):
+        return ItemSpec(f"model.t{t}", ItemKind.TENSOR, (row, 0), (2, 3), (8, 3), "float32", 24, owner, exclusive)
+
+    reuse, staged = pm.plan_reuse(LocalPlan([chunk(0, 0), chunk(1, 0), chunk(2, 0)], {}, {}), 0)
+    assert not reuse.drift and len(staged) == 3  # the steady state
+    reuse, _ = pm.plan_reuse(LocalPlan([chunk(0, 0), chunk(1, 0, owner=False, exclusive=False), chunk(2, 0)],
+                                       {}, {}), 0)
+    assert reuse.drift == ("model.t1: chunk at [0, 0] is prepared on this rank, another replica owns it now",)
+    moved = [chunk(0, 0), chunk(1, 0), chunk(2, 0), chunk(0, 2)]
+    reuse, staged = pm.plan_reuse(LocalPlan(moved, {}, {}), 0)
+    assert reuse.drift == ("model.t0: chunk at [2, 0] is this rank's now, prepared on another rank (resharded?)",)
+    assert staged == moved  # a drifted rank stages every item it owns
+    plain = [chunk(0, 0), chunk(1, 0), chunk(2, 0), chunk(0, 2, exclusive=False)]
+    reuse, _ = pm.plan_reuse(LocalPlan(plain, {}, {}), 0)
+    assert not reuse.drift
+
+
 @pytest.mark.parametrize("where", ["header", "table", "section", "truncated"])
 def test_v2_corrupt_or_truncated_sections_give_clear_errors(tmp_path, where):
     blob, _ = _sharded_prepared(world=8)

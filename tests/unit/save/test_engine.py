@@ -15,6 +15,7 @@ from solosave._src.save.engine import Engine
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.session import SaveSession
 from solosave._src.save.writer import FileWriter
+from solosave._src.testing.introspect import job_for
 from solosave._src.testing.local_channel import local_channels
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,11 +58,7 @@ class Ranks:
             if r in abort_on:
                 job = s.abort(path, TypeError(f"a value only rank {r} holds cannot be saved"))
             else:
-                built = s.build(state_of(r), path)
-                handoff = built.staging.handoff()  # what the checkpointer's transport does
-                if handoff is not None:
-                    self.engines[r].reader.adopt(handoff[0], os.dup(handoff[1]))
-                job = built.job
+                job = job_for(s, self.engines[r].io.reader, state_of(r), path)
             out[r] = self.engines[r].run(job)
             s.absorb(out[r])
 
@@ -415,7 +412,7 @@ def test_the_paths_take_their_state_as_arguments_and_return_what_they_made(tmp_p
     sessions = [SaveSession(r, world, opts, None) for r in range(world)]
     try:
         def create(r):
-            job = sessions[r].build(state(r), str(tmp_path / "c0")).job
+            job = job_for(sessions[r], ios[r].reader, state(r), str(tmp_path / "c0"))
             return run_collective(channels[r], settings, ios[r], job, defaultdict(float))
 
         created = _on_threads(world, create)
@@ -428,7 +425,7 @@ def test_the_paths_take_their_state_as_arguments_and_return_what_they_made(tmp_p
             s.absorb(o)
 
         def reuse(r):
-            job = sessions[r].build(state(r), str(tmp_path / "c1")).job
+            job = job_for(sessions[r], ios[r].reader, state(r), str(tmp_path / "c1"))
             if r == 0:
                 assert job.prepared.adopt_template(made[0].save_id, made[0].template, made[0].index_body)
             mark = channels[r].counter.mark()

@@ -30,6 +30,7 @@ from solosave._src.storage.registry import (
     scheme_of,
     storage_for,
 )
+from solosave._src.testing.introspect import job_for
 from solosave._src.testing.local_channel import local_channels
 from solosave._src.tools.retention import remove_checkpoint
 
@@ -105,7 +106,7 @@ def _save_one_rank(sd: dict, path: str, options: dict) -> None:
     engine = Engine(ch, EngineSettings(storage_options=options), FileWriter(fsync=False, checksums=True))
     session = SaveSession(0, 1, CheckpointerOptions(persistent_worker=False), None)
     try:
-        out = engine.run(session.build(sd, path).job)
+        out = engine.run(job_for(session, engine.io.reader, sd, path))
         assert out.ok, out.failures
     finally:
         session.close()

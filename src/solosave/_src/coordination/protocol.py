@@ -97,7 +97,9 @@ class ItemSpec:
 
     ``nbytes`` is the raw tensor size (numel x element size) for tensors and ``0`` for BYTES
     items, whose serialized size depends on the value. ``owner`` is False when this rank holds
-    a DTensor replica that another replica writes.
+    a DTensor replica that another replica writes. ``exclusive``: no other rank may write this
+    item (a DTensor shard this rank owns, a ShardedTensor shard), so every plan puts it on this
+    rank; a plain tensor may be written by any of its holders.
     """
 
     fqn: str
@@ -108,6 +110,7 @@ class ItemSpec:
     dtype: str | None = None
     nbytes: int = 0
     owner: bool = True
+    exclusive: bool = False
 
     @property
     def key(self) -> ItemKey:
@@ -295,8 +298,9 @@ class JobOutcome:
     drifts: dict[int, list[str]] = field(default_factory=dict)
     #: The complete metadata now prepared (create, fallback); every rank receives it.
     prepared_metadata: Any = None  # a PreparedMetadata (a reference to its file, or in memory)
-    #: Whether ``.metadata`` was published (known on every rank).
-    published: bool = False
+    #: Whether ``.metadata`` was published (known on every rank, except after a broken channel:
+    #: ``None`` when this rank cannot tell).
+    published: bool | None = False
     warnings: tuple[str, ...] = ()
     finished_at: float = 0.0
 

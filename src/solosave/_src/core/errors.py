@@ -7,7 +7,8 @@ from :class:`Exception` (unlike DCP's ``CheckpointException``, ``except Exceptio
     ├── CheckpointError            a save failed; raised by ``SaveHandle.wait()`` on every rank
     │   ├── LayoutDriftError       reuse save whose layout no longer matches the prepared metadata
     │   └── WorkerDiedError        the background worker process of a rank exited
-    ├── CheckpointExistsError      destination already holds a complete checkpoint (also FileExistsError)
+    ├── CheckpointExistsError      destination already holds a complete checkpoint (also
+    │                              FileExistsError and DCP's CheckpointException: see below)
     ├── CorruptCheckpointError     a published checkpoint's data files do not hold what .metadata says
     ├── PreparedMetadataError      a prepared-metadata file is unreadable, unsafe or mismatched (also ValueError)
     │   ├── UnsafeMetadataError    the pickle would import something outside the allowlist
@@ -17,6 +18,15 @@ from :class:`Exception` (unlike DCP's ``CheckpointException``, ``except Exceptio
 
 Bad arguments raise plain :class:`ValueError` / :class:`TypeError` with a message that names the
 problem and the fix.
+
+:class:`CheckpointExistsError` is also a ``torch.distributed.checkpoint.api.CheckpointException``,
+so code written for ``dcp.save`` (``except CheckpointException``) catches solosave's refusal to
+save over a checkpoint. That class derives from ``BaseException`` only; ours still derives from
+``Exception`` first (the method resolution order is SolosaveError, FileExistsError, OSError,
+Exception, CheckpointException, BaseException), so ``except Exception`` catches it too, and
+``str()`` is our one-line message, not DCP's per-rank traceback listing. No other solosave error
+is a ``CheckpointException``: a handler for DCP's failures that re-raises a ``BaseException``
+would otherwise see solosave's ordinary errors change class.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Mapping, Sequence
+
+from torch.distributed.checkpoint.api import CheckpointException
 
 
 class SolosaveError(Exception):
@@ -71,8 +83,16 @@ class WorkerDiedError(CheckpointError):
     """The background worker process of this rank exited unexpectedly."""
 
 
-class CheckpointExistsError(SolosaveError, FileExistsError):
-    """The destination already holds a complete checkpoint and ``overwrite`` was not given."""
+class CheckpointExistsError(SolosaveError, FileExistsError, CheckpointException):
+    """The destination already holds a complete checkpoint and ``overwrite`` was not given.
+
+    Raised by ``save()`` on each rank that finds the checkpoint, before anything is written. Also
+    a ``FileExistsError`` and a DCP ``CheckpointException`` (see the module docstring), whose
+    ``failures`` is empty here: no rank failed, the save was refused."""
+
+    def __init__(self, message: str) -> None:
+        FileExistsError.__init__(self, message)  # args (message,): str() and pickling as an OSError's
+        self._failures: dict = {}
 
 
 class CorruptCheckpointError(SolosaveError):

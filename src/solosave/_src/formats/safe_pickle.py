@@ -1,8 +1,9 @@
 """Allowlisted unpickling of DCP ``Metadata`` (``.metadata`` and prepared-metadata files).
 
 A pickle can run arbitrary code when loaded; a ``.metadata`` only ever needs DCP's metadata
-dataclasses, ``torch.Size``, dtypes, layouts, paths and builtins. :func:`safe_loads` refuses any
-other global *before* resolving it, so a crafted file executes nothing.
+dataclasses, ``torch.Size``, dtypes, layouts, paths and builtins (older DCP releases' names of
+two of them are read as today's classes). :func:`safe_loads` refuses any other global *before*
+resolving it, so a crafted file executes nothing.
 """
 
 from __future__ import annotations
@@ -30,9 +31,21 @@ _ALLOWED: dict[str, set[str]] = {
     "copyreg": {"_reconstructor"},
 }
 
+#: Globals that older DCP releases pickled under another name, each read as today's class: DCP of
+#: torch up to about 2.1 wrote ``TensorProperties`` (and the enum of its memory format) from
+#: ``torch.distributed._shard.sharded_tensor.metadata``; the classes took the same state. Named
+#: one by one, so the rest of that module stays refused.
+_ALIASES: dict[tuple[str, str], tuple[str, str]] = {
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"):
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"):
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+}
+
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        module, name = _ALIASES.get((module, name), (module, name))
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
             return getattr(torch, name)
         if name in _ALLOWED.get(module, ()):

@@ -9,6 +9,8 @@ holds as an :class:`ItemSpec`: the structure of the item, never its values.
   writes them.
 * DTensors: the local shard's chunk; for replicated placements the owner among the replicas is
   chosen locally by :func:`dtensor_owner` so that non-owners need not stage the shard.
+* ShardedTensors (``torch.distributed._shard``, which ``dcp.save`` saves): the local shard at its
+  global offsets, as DCP's planner writes them (none on a rank without a shard).
 * anything else: a ``BYTES`` item, serialized with ``torch.save`` (what DCP's loader expects).
 """
 
@@ -162,14 +164,37 @@ def dtensor_owner(fqn: str, value: Any) -> bool:
 
 
 def _tensor_spec(fqn: str, local: torch.Tensor, offsets: tuple[int, ...],
-                 global_size: tuple[int, ...], owner: bool) -> ItemSpec:
+                 global_size: tuple[int, ...], owner: bool, exclusive: bool = False) -> ItemSpec:
     sizes = tuple(int(s) for s in local.shape)
     return ItemSpec(fqn, ItemKind.TENSOR, offsets, sizes, global_size, dtype_name(local.dtype),
-                    local.numel() * local.element_size(), owner)
+                    local.numel() * local.element_size(), owner, exclusive)
 
 
-def make_spec(fqn: str, value: Any) -> tuple[ItemSpec, Any]:
-    """Describe one flattened value; returns the spec and the local value to stage."""
+def _is_sharded_tensor(value: Any) -> bool:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - torch without torch.distributed
+        return False
+    return isinstance(value, ShardedTensor)
+
+
+def _sharded_tensor_spec(fqn: str, value: Any) -> tuple[ItemSpec | None, Any]:
+    """A ShardedTensor's local shard as one chunk at its global offsets, what DCP's planner
+    writes for it; ``(None, None)`` on a rank that holds no shard of it."""
+    shards = value.local_shards()
+    if len(shards) > 1:
+        raise TypeError(f"state_dict[{fqn!r}]: ShardedTensor with {len(shards)} local shards on this "
+                        "rank is not supported; save it with at most one shard per rank")
+    if not shards:
+        return None, None
+    local = shards[0].tensor.detach()
+    offsets = tuple(int(o) for o in shards[0].metadata.shard_offsets)
+    return _tensor_spec(fqn, local, offsets, tuple(int(s) for s in value.metadata().size), True, True), local
+
+
+def make_spec(fqn: str, value: Any) -> tuple[ItemSpec | None, Any]:
+    """Describe one flattened value; returns the spec and the local value to stage (``None``
+    for a ShardedTensor of which this rank holds no shard: nothing to save here)."""
     if _is_dtensor(value):
         from torch.distributed.tensor import Partial
 
@@ -185,9 +210,11 @@ def make_spec(fqn: str, value: Any) -> tuple[ItemSpec, Any]:
                             "not supported; save it with one local shard per rank")
         offsets = tuple(int(o) for o in chunks[0].offsets)
         owner = dtensor_owner(fqn, value)
-        return _tensor_spec(fqn, local, offsets, tuple(int(s) for s in value.shape), owner), local
+        return _tensor_spec(fqn, local, offsets, tuple(int(s) for s in value.shape), owner, owner), local
     if isinstance(value, torch.Tensor):
         if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+            if _is_sharded_tensor(value):
+                return _sharded_tensor_spec(fqn, value)
             raise TypeError(
                 f"state_dict[{fqn!r}] is a {type(value).__name__}, a tensor subclass solosave "
                 "cannot save; convert it to a plain tensor or a DTensor"
@@ -243,6 +270,8 @@ def plan_local(state_dict: Mapping[str, Any]) -> LocalPlan:
     dtensors: dict[str, Any] = {}
     for fqn in sorted(flat):
         spec, local = make_spec(fqn, flat[fqn])
+        if spec is None:
+            continue
         specs.append(spec)
         values[fqn] = local
         if local is not flat[fqn] and _is_dtensor(flat[fqn]):

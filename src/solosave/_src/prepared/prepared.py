@@ -187,8 +187,13 @@ class PreparedMetadata:
             return f"{spec.fqn}: now a tensor, prepared as a non-tensor"
         if tuple(size) != spec.global_size or dtype != spec.dtype:
             return f"{spec.fqn}: now {spec.dtype}{list(spec.global_size or ())}, prepared as {dtype}{list(size)}"
-        if spec.key not in own and not self.placed(spec.key):
+        if spec.key in own:
+            return None
+        if not self.placed(spec.key):
             return f"{spec.fqn}: chunk at {list(spec.offsets or ())} is not in the prepared metadata (resharded?)"
+        if spec.exclusive:  # only this rank stages it, so a fallback could not find it elsewhere
+            return (f"{spec.fqn}: chunk at {list(spec.offsets or ())} is this rank's now, prepared on "
+                    "another rank (resharded?)")
         return None
 
     # -- publishing (coordinator) -----------------------------------------------------------
@@ -238,7 +243,13 @@ class PreparedMetadata:
         """This rank's local plan of a reuse save: the layout the prepared metadata gives it, the
         reasons it cannot write that layout (a drift found before writing), and the items to
         stage: the layout's items, or every item it owns when it drifted (the save then falls
-        back to the collective path, which may assign it any of them)."""
+        back to the collective path, which may assign it any of them).
+
+        A DTensor chunk is staged by its owner only, so its owner must be its writer: a chunk this
+        rank owns that the layout puts elsewhere, or one in this rank's layout that another replica
+        owns, is a drift (the placements changed). Otherwise a rank whose own items still match
+        would stage only those, and the fallback that another rank's drift starts would find the
+        moved chunk staged by no rank."""
         mine = self.layout(rank)
         drift: list[str] = []
         own: set[ItemKey] = set()
@@ -250,6 +261,9 @@ class PreparedMetadata:
                     drift.append(f"{p.key[0]}: prepared on this rank but not in its state dict")
                 elif s.offsets is not None and mine.sizes.get(p.key) != s.sizes:
                     drift.append(f"{s.fqn}: chunk size {list(s.sizes or ())} differs from the prepared one")
+                elif not s.owner:  # its owner stages it: a fallback must not also find it here
+                    drift.append(f"{s.fqn}: chunk at {list(s.offsets or ())} is prepared on this rank, "
+                                 "another replica owns it now")
         for s in plan.specs:
             msg = self.spec_matches(s, own)
             if msg:

@@ -41,7 +41,7 @@ from solosave._src.coordination.protocol import EngineSettings, ErrorKind, JobOu
 from solosave._src.prepared.prepared import PreparedMetadata
 from solosave._src.save.collective import MadeTemplate, run_collective
 from solosave._src.save.rank_io import RankIO
-from solosave._src.save.reuse import run_reuse
+from solosave._src.save.reuse import ReceiptLost, run_reuse
 from solosave._src.save.writer import FileWriter
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
@@ -92,6 +92,10 @@ class Engine:
         except OutOfStep as e:
             out = self._break(job, ErrorKind.OUT_OF_STEP, f"not published: the ranks are out of step ({e}); a "
                               "save() timed out on some ranks but not on others")
+        except ReceiptLost as e:
+            out = self._break(job, ErrorKind.CHANNEL, f"the background channel failed on this rank during the "
+                              f"save to {job.directory}, after every rank wrote its data ({e}); {e.seen}",
+                              published=e.published)
         except ChannelError as e:
             out = self._break(job, ErrorKind.CHANNEL, f"the background channel failed on this rank during the "
                               f"save to {job.directory} ({e}): another rank's process or worker died, or "
@@ -103,9 +107,10 @@ class Engine:
         timings["coordinate"] = sum(c.seconds for c in calls)
         return dataclasses.replace(out, timings=dict(timings), collectives=calls, finished_at=time.time())
 
-    def _break(self, job: SaveJob, kind: ErrorKind, why: str) -> JobOutcome:
+    def _break(self, job: SaveJob, kind: ErrorKind, why: str, published: bool | None = False) -> JobOutcome:
         self.broken = (kind, f"{why}; {RECREATE}")
-        return JobOutcome(job.seq, False, _kind(job), error_kind=kind, failures={self.rank: self.broken[1]})
+        return JobOutcome(job.seq, False, _kind(job), error_kind=kind, failures={self.rank: self.broken[1]},
+                          published=published)
 
     def _prepared_for(self, job: SaveJob) -> PreparedMetadata:
         """The prepared metadata of ``job``'s token: the one the job brings (which adopts the

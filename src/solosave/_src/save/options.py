@@ -23,6 +23,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from solosave._src.prepared.prepared import PreparedMetadata
 
 DRIFT_POLICIES = ("fallback", "raise")
+#: The longest ``timeout`` accepted, in seconds (about 31 years). torch turns a timeout into a
+#: deadline in int64 nanoseconds and gloo refuses a negative one, so a much larger value, or
+#: ``inf``, would fail deep inside the set-up on some ranks only and leave the others waiting
+#: in its broadcast.
+MAX_TIMEOUT_S = 1e9
 
 
 def option(default: Any, *, flag: str, help: str, metavar: str | None = None,  # noqa: A002 - argparse's name
@@ -81,8 +86,9 @@ class CheckpointerOptions:
     prepared_metadata: str | os.PathLike | Metadata | PreparedMetadata | None = option(
         None, flag="--ckpt-metadata", metavar="FILE|auto", help=(
             "prepared metadata to reuse: every save then needs one 8-byte all_reduce. 'auto' (flag "
-            "only): the .metadata of the checkpoint resumed from, if it fits this run, else one is "
-            "created at the first save in <save>/prepared.metadata"))
+            "only): the .metadata of the checkpoint resumed from, if it fits this run, else "
+            "<save>/prepared-w<world size>-n<workers>.metadata (one per topology), created by the "
+            "first save if it does not exist"))
     create_prepared_metadata: bool = option(False, flag="--ckpt-metadata-create", help=(
         "create the prepared metadata file at the first save if it does not exist (collective "
         "path once), then reuse it"))
@@ -94,7 +100,7 @@ class CheckpointerOptions:
         "and refreshes the prepared metadata; 'raise' fails it"))
     timeout: float = option(600.0, flag="--ckpt-timeout", metavar="SECONDS", help=(
         "bound of every checkpoint wait: the worker's start, a save's completion, each collective "
-        "(default 600)"))
+        "(default 600, at most 1e9)"))
     checksums: bool = option(False, flag="--ckpt-checksums", help=(
         "record a CRC32 of every record next to each data file, for `solosave verify` (one CRC "
         "pass in the background)"))
@@ -124,8 +130,10 @@ class CheckpointerOptions:
             raise OptionError(f"{{workers}} must be >= 1 (an int: files per rank), got {self.workers!r}")
         if self.on_layout_drift not in DRIFT_POLICIES:
             raise OptionError(f"{{on_layout_drift}} must be one of {DRIFT_POLICIES}, got {self.on_layout_drift!r}")
-        if not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool) and self.timeout > 0):
-            raise OptionError(f"{{timeout}} must be a positive number of seconds, got {self.timeout!r}")
+        if not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
+                and 0 < self.timeout <= MAX_TIMEOUT_S):
+            raise OptionError("{timeout} must be a positive number of seconds, at most 1e9 "
+                              f"(about 31 years: every wait needs a finite bound), got {self.timeout!r}")
         pm = self.prepared_metadata
         if pm is not None and not isinstance(pm, (str, os.PathLike, Metadata, PreparedMetadata)):
             raise TypeError("prepared_metadata must be a path, a torch.distributed.checkpoint "

@@ -87,7 +87,11 @@ def error_of(outcome: JobOutcome, path: str) -> CheckpointError:
             f"save to {path} stopped: the layout drifted from the prepared metadata on "
             f"rank(s) {sorted(outcome.drifts)}; nothing was published (on_layout_drift='raise'). "
             "Recreate the prepared metadata or use on_layout_drift='fallback'.", outcome.drifts)
-    published = ("its .metadata was published before the failure was known" if outcome.published
-                 else f"no {METADATA_FILE} was published (the previous checkpoint is untouched)")
+    if outcome.published:
+        published = f"its {METADATA_FILE} was published before the failure was known"
+    elif outcome.published is None:
+        published = f"this rank cannot tell whether its {METADATA_FILE} was published (look for it there)"
+    else:
+        published = f"no {METADATA_FILE} was published (the previous checkpoint is untouched)"
     return CheckpointError(f"save to {path} failed on rank(s) {sorted(outcome.failures)}; {published}",
                            outcome.failures)

@@ -32,7 +32,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from solosave._src.coordination.channel import Channel, OutOfStep
+from solosave._src.coordination.channel import Channel, ChannelError, OutOfStep
 from solosave._src.coordination.protocol import (
     EngineSettings,
     ErrorKind,
@@ -45,11 +45,13 @@ from solosave._src.coordination.protocol import (
     encode_status,
 )
 from solosave._src.core.errors import describe
+from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.plan.layout import check_layout
 from solosave._src.prepared.prepared import PreparedMetadata
 from solosave._src.save.collective import MadeTemplate, run_collective
 from solosave._src.save.rank_io import RankIO
 from solosave._src.storage.base import Commit
+from solosave._src.storage.registry import storage_for
 
 
 def run_reuse(channel: Channel, settings: EngineSettings, io: RankIO, job: SaveJob,
@@ -136,13 +138,50 @@ def _publish(channel: Channel, io: RankIO, job: SaveJob, prepared: Any, results:
         finally:
             if staged is not None:  # published (finish() ran) or not: never a file left behind
                 staged.discard()
-        channel.post_receipt(job.seq, error)
+        try:
+            channel.post_receipt(job.seq, error)
+        except ChannelError as e:
+            raise ReceiptLost(str(e), error is None) from e
     else:
-        error = channel.wait_receipt(job.seq, channel.timeout)
+        try:
+            error = channel.wait_receipt(job.seq, channel.timeout)
+        except ChannelError as e:  # the coordinator may have published before it stopped answering
+            raise ReceiptLost(str(e), _metadata_seen(io, job)) from e
     ok = error is None
     return JobOutcome(job.seq, ok, SaveKind.REUSE, None if ok else ErrorKind.FAILED,
                       bytes_written=sum(r[3] for r in results or ()),
                       failures={} if ok else {channel.coordinator: error}, published=ok)
+
+
+def _metadata_seen(io: RankIO, job: SaveJob) -> bool | None:
+    """Other ranks, after the receipt was lost: ``True`` if ``job``'s ``.metadata`` exists (every
+    rank removed the old one before writing, so it is this save's), else ``None``: unknown, as
+    the coordinator may still publish it."""
+    try:
+        storage = storage_for(job.directory, io.storage_options)
+        return True if storage.exists(storage.join(job.directory, METADATA_FILE)) else None
+    except Exception:  # noqa: BLE001 - storage unreachable: unknown
+        return None
+
+
+class ReceiptLost(ChannelError):
+    """A reuse save's publication receipt could not be posted (coordinator) or never came (the
+    others): the channel is broken. ``published``: ``True``/``False`` where known (the coordinator
+    knows; another rank knows only once ``.metadata`` is there), ``None`` where it is not."""
+
+    def __init__(self, message: str, published: bool | None) -> None:
+        super().__init__(message)
+        self.published = published
+
+    @property
+    def seen(self) -> str:
+        """What this rank knows of the publication, for its error message."""
+        if self.published:
+            return f"the save's {METADATA_FILE} is there: it was published before the receipt was lost"
+        if self.published is None:
+            return (f"no {METADATA_FILE} was there when this rank stopped waiting; whether the coordinator "
+                    "published it later is unknown on this rank")
+        return f"the coordinator could not publish {METADATA_FILE} either"
 
 
 def _start_ahead(channel: Channel, io: RankIO, job: SaveJob, prepared: PreparedMetadata | None,
