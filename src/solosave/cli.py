@@ -103,9 +103,9 @@ def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, pro
     else:
         print(f"{report.path}: {report.items} items, {report.records} records in {len(report.files)} "
               f"files, {sum(report.files.values())} bytes")
-        print(f"  checksums: {report.checksums}"
-              + (f" ({report.checksummed_records} records match)" if report.checksums != "absent" else
-                 " (save with checksums=True / --ckpt-checksums to record them)"))
+        print(f"  checksums: {report.checksum_summary()}"
+              + (" (save with checksums=True / --ckpt-checksums to record them)" if report.checksums == "absent"
+                 else ""))
         if report.prepared is not None:
             print(f"  prepared metadata {prepared}: {report.prepared}")
         if report.index is not None:
