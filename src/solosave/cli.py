@@ -71,8 +71,14 @@ def _inspect(path: str, as_json: bool, storage_options: dict | None = None) -> i
 
 def _prepare(src: str, out: str, world_size: int | None, workers: int | None,
              storage_options: dict | None = None) -> int:
-    from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata, save_prepared_metadata
+    from solosave._src.prepared.prepared import (
+        PreparedMetadata,
+        check_prepared_target,
+        load_prepared_metadata,
+        save_prepared_metadata,
+    )
 
+    check_prepared_target(out, storage_options)  # before reading the checkpoint
     p = load_prepared_metadata(src, storage_options=storage_options)
     save_prepared_metadata(PreparedMetadata.from_metadata(p.metadata, world_size, workers, source=out), out,
                            storage_options=storage_options)

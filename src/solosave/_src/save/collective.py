@@ -41,18 +41,22 @@ from solosave._src.coordination.protocol import (
 from solosave._src.coordination.status import same_save
 from solosave._src.core.errors import describe
 from solosave._src.core.gc_pause import gc_paused
-from solosave._src.formats.dcp import METADATA_FILE, file_name
+from solosave._src.formats.dcp import file_name
 from solosave._src.index.writer import body_from_columns
 from solosave._src.plan.columns import placed_columns
 from solosave._src.plan.global_plan import GlobalPlan, global_plan
 from solosave._src.plan.layout import bucket_items
 from solosave._src.plan.metadata_pickle import metadata_template
 from solosave._src.prepared.convert import prepared_from_columns
-from solosave._src.prepared.prepared import PreparedMetadata, open_sectioned, write_prepared_bytes
+from solosave._src.prepared.prepared import (
+    PreparedMetadata,
+    open_sectioned,
+    prepared_target_problem,
+    write_prepared_bytes,
+)
 from solosave._src.prepared.sections import SectionReader
 from solosave._src.save.writer import bytes_slot
 from solosave._src.storage.sources import BytesSource
-from solosave._src.storage.storage import basename, storage_for
 
 if TYPE_CHECKING:  # the engine calls this module; it is only named here
     from solosave._src.save.engine import Engine
@@ -196,9 +200,10 @@ def _persist_prepared(engine: Engine, blob: bytes) -> PreparedMetadata:
     if not path:
         return in_memory
     try:
-        if basename(path) == METADATA_FILE or storage_for(path, options).isdir(path):
+        why = prepared_target_problem(path, options)
+        if why is not None:
             engine.warnings.append(f"the prepared metadata came from checkpoint {path}, which is never "
-                                   "written into; the refreshed prepared metadata is kept in memory")
+                                   f"written into ({why}); the refreshed prepared metadata is kept in memory")
             return in_memory
         write_prepared_bytes(path, blob, storage_options=options)
         written = open_sectioned(path, options)

@@ -60,7 +60,8 @@ from solosave._src.coordination.protocol import (
     decode_status,
     encode_status,
 )
-from solosave._src.core.errors import describe
+from solosave._src.core.errors import PreparedMetadataError, describe
+from solosave._src.formats.dcp import data_file_problem
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.index import writer as index
 from solosave._src.plan.layout import check_layout
@@ -160,7 +161,12 @@ class Engine:
 
     def _write_records(self, job: SaveJob, todo: list[tuple[str, list[Record]]],
                        timings: dict[str, float]) -> list[WriteResult]:
-        """Write ``todo`` (each file's records) into ``job``'s directory."""
+        """Write ``todo`` (each file's records) into ``job``'s directory: only this rank's data
+        files, directly inside it (a name from a crafted prepared file never reaches the writer)."""
+        for name, _ in todo:
+            why = data_file_problem(name, self.rank)
+            if why is not None:
+                raise ValueError(f"refusing to write {why}")
         t0 = time.perf_counter()
         storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
         unpublish(job.directory, self.settings.storage_options)  # never an old .metadata next to new data
@@ -268,12 +274,13 @@ class Engine:
 
         def run(ahead: _Ahead) -> None:
             try:  # it may run before this rank's data write creates the directory
+                template = prepared.template  # read back once per prepared file: see _template_drift
                 storage_for(job.directory, self.settings.storage_options).makedirs(job.directory)
-            except Exception:  # noqa: BLE001 - the data write meets (and reports) the same error
+            except Exception:  # noqa: BLE001 - the data write or the engine meets (and reports) the same error
                 return
-            self.write_index(job, lambda: (prepared.index_body, prepared.template), save_id, defaultdict(float))
+            self.write_index(job, lambda: (prepared.index_body, template), save_id, defaultdict(float))
             try:
-                data = prepared.template.render_parts(os.fspath(job.directory), save_id)
+                data = template.render_parts(os.fspath(job.directory), save_id)
                 ahead.offer(stage_metadata(job.directory, data, fsync=self.writer.fsync,
                                            storage_options=self.settings.storage_options))
             except Exception:  # noqa: BLE001,S110 - publishing writes it whole, and reports its error
@@ -298,6 +305,9 @@ class Engine:
                      timings: dict[str, float]) -> JobOutcome:
         ch = self.channel
         status, drifts, results, err = self._reuse_write(job, timings)
+        if status is Status.OK and ch.is_coordinator:
+            drifts = self._template_drift(prepared)
+            status = Status.DRIFT if drifts else status
         agreed = decode_status(ch.all_reduce_and(encode_status(status, job.identity)), job.identity)
         if agreed is None:
             raise OutOfStep(f"this rank's save {job.seq} to {job.directory} met a different save "
@@ -323,6 +333,20 @@ class Engine:
                               drifts={r: d for r, d in enumerate(reports) if d})
         # results: what this rank already wrote (None if it wrote nothing); the fallback keeps it
         return run_collective(self, job, timings, prewritten=results, drifts=drifts)
+
+    def _template_drift(self, prepared: PreparedMetadata) -> list[str]:
+        """Coordinator, before the status word: publish only what reads back. The ``.metadata``
+        template of a prepared file is rendered and parsed once, the first time it is used
+        (:meth:`PreparedMetadata.checked_template`); one that does not read back as the ``.metadata`` the
+        file describes (a damaged or crafted file that passed its other checks) is a drift of
+        this save: every rank then takes the fallback, which publishes a ``.metadata`` built
+        from the write results and refreshes the prepared file (or, with ``"raise"``, fails the
+        save and publishes nothing). Returns the drift (empty: the template is sound)."""
+        try:
+            prepared.checked_template()
+        except PreparedMetadataError as e:
+            return [str(e)]
+        return []
 
     def _reuse_publish(self, job: SaveJob, prepared: Any, results: list | None, save_id: str,
                        staged: StagedCommit | None, timings: dict[str, float]) -> JobOutcome:
