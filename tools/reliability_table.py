@@ -24,7 +24,8 @@ START, END = "<!-- reliability-table:start -->", "<!-- reliability-table:end -->
 SUITES = ["tests/faults/test_faults.py", "tests/faults/test_faults_input.py", "tests/faults/test_faults_lifecycle.py",
           "tests/multiproc/test_load.py", "tests/unit/save/test_write.py", "tests/unit/save/test_engine.py",
           "tests/multiproc/test_multihost.py", "tests/integrations/test_verify.py",
-          "tests/multiproc/test_checkpointer.py", "tests/unit/index/test_index.py"]
+          "tests/multiproc/test_checkpointer.py", "tests/unit/index/test_index.py",
+          "tests/faults/test_untrusted.py", "tests/integrations/test_cli.py", "tests/faults/test_fuzz.py"]
 
 
 def run(paths: list[str], marker: str) -> tuple[dict, str, float]:
