@@ -121,7 +121,8 @@ def test_prepare_never_writes_over_a_checkpoint(ckpt, capsys, target, case_log):
     got = {"w": torch.zeros(3, 2), "step": 0}
     solosave.load(got, ckpt)
     assert torch.equal(got["w"], torch.ones(3, 2)) and got["step"] == 4
-    if target == ".metadata":
-        case_log("solosave prepare --out CKPT/.metadata, and save_prepared_metadata(p, 'CKPT/.metadata')",
-                 f"exit 2 / PreparedMetadataError ('{err.strip().split(': ', 2)[-1][:90]}...'); the checkpoint's "
-                 "files are byte-identical and it loads")
+    name = {".metadata": "CKPT/.metadata", "__0_0.distcp": "CKPT/__0_0.distcp", ".": "CKPT"}[target]
+    case_log(f"solosave prepare --out {name}, and save_prepared_metadata(p, '{name}')",
+             f"exit 2 / PreparedMetadataError ('refusing to write a prepared-metadata file there: {name} "
+             f"{err.split(str(out), 1)[-1].strip().split('. ')[0]}'); the checkpoint's files are byte-identical "
+             "and it loads")
