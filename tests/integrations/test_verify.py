@@ -226,3 +226,23 @@ def test_links_inside_the_checkpoint_are_read_and_metadata_or_sidecars_outside_a
         solosave.load(target, ckpt)
     with pytest.raises(solosave.PreparedMetadataError, match="symbolic link to a file outside"):
         solosave.verify_checkpoint(ckpt)
+
+
+def test_an_index_whose_directory_length_is_damaged_is_reported_not_a_traceback(ckpt, capsys):
+    """The directory length of the load index has no CRC of its own: its high bit flipped made
+    ``solosave verify`` (and loads) raise ``MemoryError`` / ``OverflowError``."""
+    from solosave._src.formats.dcp import INDEX_FILE
+    from solosave.cli import main
+
+    _index_case(ckpt, "matches")
+    data = (ckpt / INDEX_FILE).read_bytes()
+    body = data.index(b"\n", data.index(b"\n", len(b"SOLOSAVE-INDEX\n")) + 1) + 1
+    (ckpt / INDEX_FILE).write_bytes(data[:body + 7] + bytes([data[body + 7] ^ 0x80]) + data[body + 8:])
+    rep = solosave.verify_checkpoint(ckpt)
+    assert rep.index == "damaged" and any("directory length" in p for p in rep.problems), rep
+    assert main(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr()
+    assert "load index: damaged" in out.out and "Traceback" not in out.err
+    target = {"a": torch.zeros(1000), "b": torch.zeros(64, 64), "step": 0}
+    solosave.load(target, ckpt)
+    assert torch.equal(target["a"], torch.arange(1000.0)) and target["step"] == 3
