@@ -71,8 +71,14 @@ def _inspect(path: str, as_json: bool, storage_options: dict | None = None) -> i
 
 def _prepare(src: str, out: str, world_size: int | None, workers: int | None,
              storage_options: dict | None = None) -> int:
-    from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata, save_prepared_metadata
+    from solosave._src.prepared.prepared import (
+        PreparedMetadata,
+        check_prepared_target,
+        load_prepared_metadata,
+        save_prepared_metadata,
+    )
 
+    check_prepared_target(out, storage_options)  # before reading the checkpoint
     p = load_prepared_metadata(src, storage_options=storage_options)
     save_prepared_metadata(PreparedMetadata.from_metadata(p.metadata, world_size, workers, source=out), out,
                            storage_options=storage_options)
@@ -103,9 +109,9 @@ def _verify(path: str, prepared: str | None, as_json: bool, checksums: bool, pro
     else:
         print(f"{report.path}: {report.items} items, {report.records} records in {len(report.files)} "
               f"files, {sum(report.files.values())} bytes")
-        print(f"  checksums: {report.checksums}"
-              + (f" ({report.checksummed_records} records match)" if report.checksums != "absent" else
-                 " (save with checksums=True / --ckpt-checksums to record them)"))
+        print(f"  checksums: {report.checksum_summary()}"
+              + (" (save with checksums=True / --ckpt-checksums to record them)" if report.checksums == "absent"
+                 else ""))
         if report.prepared is not None:
             print(f"  prepared metadata {prepared}: {report.prepared}")
         if report.index is not None:

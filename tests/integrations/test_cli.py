@@ -101,3 +101,28 @@ def test_prepare_refuses_bad_counts(ckpt, tmp_path, capsys, flags):
     err = capsys.readouterr().err
     assert ">= 1" in err and "Traceback" not in err
     assert not (tmp_path / "p.md").exists()
+
+
+@pytest.mark.parametrize("target", [".metadata", "__0_0.distcp", "."])
+def test_prepare_never_writes_over_a_checkpoint(ckpt, capsys, target, case_log):
+    """``solosave prepare --out CKPT/.metadata`` (or a data file, or the directory) and
+    ``save_prepared_metadata(p, "CKPT/.metadata")`` are refused: the checkpoint stays loadable."""
+    import solosave
+
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    out = ckpt / target if target != "." else ckpt
+    assert main(["prepare", "--from", str(ckpt), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to write a prepared-metadata file there" in err and "Traceback" not in err
+    with pytest.raises(solosave.PreparedMetadataError, match="is a checkpoint's .metadata|a file of a checkpoint|"
+                       "is a directory"):
+        solosave.save_prepared_metadata(solosave.load_prepared_metadata(ckpt), out)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    got = {"w": torch.zeros(3, 2), "step": 0}
+    solosave.load(got, ckpt)
+    assert torch.equal(got["w"], torch.ones(3, 2)) and got["step"] == 4
+    name = {".metadata": "CKPT/.metadata", "__0_0.distcp": "CKPT/__0_0.distcp", ".": "CKPT"}[target]
+    case_log(f"solosave prepare --out {name}, and save_prepared_metadata(p, '{name}')",
+             f"exit 2 / PreparedMetadataError ('refusing to write a prepared-metadata file there: {name} "
+             f"{err.split(str(out), 1)[-1].strip().split('. ')[0]}'); the checkpoint's files are byte-identical "
+             "and it loads")

@@ -142,3 +142,107 @@ def test_checksums_with_a_tensor_written_through_torch_save(tmp_path):
     checksums its CRC32 was read back from a write-only file (EBADF: the save failed)."""
     out = run_ranks(rank_fns.checksummed_with_empty, 1, str(tmp_path))
     assert out == [(True, True, "verified", True, True, 7)]
+
+
+def _record_checksums(ckpt):
+    """Sidecars as a ``checksums=True`` save writes them, for a stock DCP checkpoint."""
+    import pickle
+
+    from solosave._src.formats.dcp import CHECKSUM_FORMAT
+
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    data = (ckpt / "__0_0.distcp").read_bytes()
+    records = [{"offset": i.offset, "length": i.length, "crc32": zlib.crc32(data[i.offset:i.offset + i.length])}
+               for i in md.storage_data.values()]
+    (ckpt / "__0_0.distcp.crc32").write_text(json.dumps({"format": CHECKSUM_FORMAT, "records": records}))
+
+
+@pytest.mark.parametrize("how", ["not an object", "not JSON", "truncated data"])
+def test_the_checksum_summary_says_what_was_checked(ckpt, how, capsys, case_log):
+    from solosave.cli import main
+
+    _record_checksums(ckpt)
+    rep = solosave.verify_checkpoint(ckpt)
+    assert rep.ok and rep.checksums == "verified" and rep.checksum_summary() == "verified (3 of 3 records match)"
+    if how == "not an object":
+        (ckpt / "__0_0.distcp.crc32").write_text("[1, 2, 3]")
+    elif how == "not JSON":
+        (ckpt / "__0_0.distcp.crc32").write_bytes(b"\xff{not json")
+    else:
+        f = ckpt / "__0_0.distcp"
+        f.write_bytes(f.read_bytes()[:-100])
+    rep = solosave.verify_checkpoint(ckpt)
+    assert not rep.ok and rep.checksums == "failed", rep
+    assert rep.checksummed_records + rep.checksum_unchecked == 3 and rep.checksum_unchecked >= 1
+    assert main(["verify", str(ckpt)]) == 1
+    line = next(x for x in capsys.readouterr().out.splitlines() if "checksums:" in x)
+    assert "verified" not in line and "could not be checked" in line, line
+    case_log(f"solosave verify: checksum file {how}" if how != "truncated data" else
+             "solosave verify: a data file with checksums, truncated",
+             f"exit 1, the problem listed, and the summary line says so: '{line.strip()}'")
+
+
+def _outside(ckpt, tmp_path, name):
+    """Move ``ckpt/name`` out of the checkpoint and leave a symbolic link to it in its place."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    (ckpt / name).rename(elsewhere / name)
+    (ckpt / name).symlink_to(elsewhere / name)
+
+
+def test_a_data_file_that_links_outside_the_checkpoint_is_not_read(ckpt, tmp_path, capsys, case_log):
+    from solosave.cli import main
+
+    _outside(ckpt, tmp_path, "__0_0.distcp")
+    target = {"a": torch.zeros(1000), "b": torch.zeros(64, 64), "step": 0}
+    with pytest.raises(solosave.CorruptCheckpointError, match="symbolic link to a file outside the checkpoint"):
+        solosave.load(target, ckpt)
+    assert torch.count_nonzero(target["a"]) == 0  # nothing read through it
+    rep = solosave.verify_checkpoint(ckpt)
+    assert not rep.ok and any("symbolic link" in p for p in rep.problems), rep.problems
+    assert main(["verify", str(ckpt)]) == 1 and "OK" not in capsys.readouterr().out.splitlines()
+    with pytest.raises(solosave.CorruptCheckpointError, match="symbolic link"):
+        solosave.export(ckpt, tmp_path / "export", format="torch")
+    assert not [p for p in (tmp_path / "export").rglob("*") if p.is_file()]  # nothing exported
+    case_log("a data file that is a symbolic link to a file outside the checkpoint",
+             "solosave.load raises CorruptCheckpointError before reading it; export raises and writes "
+             "nothing; verify reports it (exit 1)")
+
+
+def test_links_inside_the_checkpoint_are_read_and_metadata_or_sidecars_outside_are_not(ckpt, tmp_path):
+    from solosave._src.formats.dcp import CHECKSUM_SUFFIX
+
+    target = {"a": torch.zeros(1000), "b": torch.zeros(64, 64), "step": 0}
+    (ckpt / "__0_0.distcp").rename(ckpt / "data.bin")  # a link to a file inside: fine
+    (ckpt / "__0_0.distcp").symlink_to("data.bin")
+    solosave.load(target, ckpt)
+    assert torch.equal(target["a"], torch.arange(1000.0))
+    _record_checksums(ckpt)
+    _outside(ckpt, tmp_path, "__0_0.distcp" + CHECKSUM_SUFFIX)
+    rep = solosave.verify_checkpoint(ckpt)
+    assert rep.checksums == "failed" and any("unreadable checksum file (a symbolic link" in p for p in rep.problems)
+    _outside(ckpt, tmp_path, ".metadata")
+    with pytest.raises(solosave.PreparedMetadataError, match="symbolic link to a file outside"):
+        solosave.load(target, ckpt)
+    with pytest.raises(solosave.PreparedMetadataError, match="symbolic link to a file outside"):
+        solosave.verify_checkpoint(ckpt)
+
+
+def test_an_index_whose_directory_length_is_damaged_is_reported_not_a_traceback(ckpt, capsys):
+    """The directory length of the load index has no CRC of its own: its high bit flipped made
+    ``solosave verify`` (and loads) raise ``MemoryError`` / ``OverflowError``."""
+    from solosave._src.formats.dcp import INDEX_FILE
+    from solosave.cli import main
+
+    _index_case(ckpt, "matches")
+    data = (ckpt / INDEX_FILE).read_bytes()
+    body = data.index(b"\n", data.index(b"\n", len(b"SOLOSAVE-INDEX\n")) + 1) + 1
+    (ckpt / INDEX_FILE).write_bytes(data[:body + 7] + bytes([data[body + 7] ^ 0x80]) + data[body + 8:])
+    rep = solosave.verify_checkpoint(ckpt)
+    assert rep.index == "damaged" and any("directory length" in p for p in rep.problems), rep
+    assert main(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr()
+    assert "load index: damaged" in out.out and "Traceback" not in out.err
+    target = {"a": torch.zeros(1000), "b": torch.zeros(64, 64), "step": 0}
+    solosave.load(target, ckpt)
+    assert torch.equal(target["a"], torch.arange(1000.0)) and target["step"] == 3

@@ -27,10 +27,14 @@ except ImportError:  # pragma: no cover
     from torch.distributed.checkpoint._storage_utils import _StorageInfo
 
 
+def _state() -> dict:
+    return {"w": torch.randn(6, 4, generator=torch.Generator().manual_seed(7)),
+            "half": torch.arange(10, dtype=torch.float16), "n": {"k": 3, "s": "x"},
+            "i": torch.tensor(7), "e": torch.zeros(0, 3), "q": torch.ones(2, dtype=torch.bool).requires_grad_(False)}
+
+
 def _stock(tmp_path) -> Metadata:
-    sd = {"w": torch.randn(6, 4), "half": torch.arange(10, dtype=torch.float16), "n": {"k": 3, "s": "x"},
-          "i": torch.tensor(7), "e": torch.zeros(0, 3), "q": torch.ones(2, dtype=torch.bool).requires_grad_(False)}
-    dcp_save_local(sd, checkpoint_id=str(tmp_path))
+    dcp_save_local(_state(), checkpoint_id=str(tmp_path))
     with open(tmp_path / METADATA_FILE, "rb") as f:
         return pickle.load(f)
 
@@ -98,17 +102,34 @@ def _damage(tmp_path, how):
         index.write_bytes(data[:at] + b'"kezs"' + data[at + 6:])
     elif how == "rows":
         index.write_bytes(data[:-6] + bytes([data[-6] ^ 1]) + data[-5:])
+    elif how == "directory length":  # the high bit of the u64 that opens the body: no CRC covers it
+        body = data.index(b"\n", data.index(b"\n", len(b"SOLOSAVE-INDEX\n")) + 1) + 1
+        index.write_bytes(data[:body + 7] + bytes([data[body + 7] ^ 0x80]) + data[body + 8:])
     elif how == "not an index":
         index.write_bytes(b"hello\n")
     return md
 
 
-@pytest.mark.parametrize("how", ["other save", "no metadata", "truncated", "directory", "rows", "not an index"])
-def test_a_stale_or_damaged_index_is_refused(tmp_path, how, case_log):
+@pytest.mark.parametrize("how", ["other save", "no metadata", "truncated", "directory", "rows", "not an index",
+                                 "directory length"])
+def test_a_stale_or_damaged_index_is_refused(tmp_path, how, case_log, caplog):
+    import solosave
+
     md = _damage(tmp_path, how)
     with pytest.raises(IndexUnusable) as e, LoadIndex.open(tmp_path) as idx:
         idx.metadata_for({k: None for k in md.state_dict_metadata})
-    case_log(f"load index: {how}", f"refused ({type(e.value).__name__}); the load reads .metadata")
+    if how == "no metadata":
+        case_log(f"load index: {how}", f"refused ({type(e.value).__name__}); the checkpoint is not published")
+        return
+    got = {"w": torch.zeros(6, 4), "half": torch.zeros(10, dtype=torch.float16), "n": {"k": 0, "s": ""},
+           "i": torch.tensor(0), "e": torch.zeros(0, 3), "q": torch.zeros(2, dtype=torch.bool)}
+    with caplog.at_level(logging.WARNING, logger="solosave._src.load.load"):
+        solosave.load(got, tmp_path)  # the intact .metadata is read instead
+    want = _state()
+    assert all(torch.equal(got[k], want[k]) for k in ("w", "half", "i", "e", "q")) and got["n"] == want["n"]
+    assert "not using the load index" in caplog.text
+    case_log(f"load index: {how}", f"refused ({type(e.value).__name__}); solosave.load warns, reads .metadata "
+             "and loads every value exactly")
 
 
 def test_no_index_is_none(tmp_path):

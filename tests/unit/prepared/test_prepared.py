@@ -345,20 +345,20 @@ def test_v1_file_and_plain_metadata_convert_to_the_same_layout(ckpt_dir, tmp_pat
     a.check_compatible(1, 1)
     assert a.fingerprint.world_size == 1 and a.fingerprint.format_version == FORMAT_VERSION
     assert a.rank_files(0) == b.rank_files(0) and a.metadata == b.metadata
-    # `solosave prepare` converts to version 3, read by sections
-    out = tmp_path / "v3.prepared"
+    # `solosave prepare` converts to version 4, read by sections
+    out = tmp_path / "v4.prepared"
     solosave.save_prepared_metadata(a, out)
-    assert out.read_bytes().startswith(b"SOLOSAVE-PREPARED\n3\n")
+    assert out.read_bytes().startswith(b"SOLOSAVE-PREPARED\n4\n")
     c = solosave.load_prepared_metadata(out)
     assert c.rank_files(0) == a.rank_files(0) and c.fingerprint == a.fingerprint
     (tmp_path / "v9").write_bytes(b"SOLOSAVE-PREPARED\n9\n{}\n")
-    with pytest.raises(solosave.FingerprintMismatchError, match="reads 1, 2, 3"):
+    with pytest.raises(solosave.FingerprintMismatchError, match="reads 1, 2, 3, 4"):
         solosave.load_prepared_metadata(tmp_path / "v9")
 
 
 def test_version_2_files_are_still_read(tmp_path):
     """A prepared file written by solosave before version 3 (tests/data/make_prepared_v2.py)
-    opens by sections and gives the same layout, directory and metadata as version 3."""
+    opens by sections and gives the same layout, directory and metadata as version 4."""
     from pathlib import Path
 
     from tests.unit.prepared.data.make_prepared_v2 import metadata
@@ -373,7 +373,7 @@ def test_version_2_files_are_still_read(tmp_path):
     assert old.metadata.storage_data == want.storage_data
     assert old.metadata.state_dict_metadata == want.state_dict_metadata
     new = solosave.PreparedMetadata.from_metadata(old.metadata, world_size=2, workers=2)
-    assert new._reader.version == 3
+    assert new._reader.version == 4
     for r in range(2):
         assert old.layout(r) == new.layout(r)
     assert old.layout(1).files[0][1][0].key == ("w", (5, 0)) and old.layout(1).sizes[("w", (5, 0))] == (0, 4)

@@ -10,12 +10,17 @@ planner, the prepared metadata, the loader and ``solosave verify`` agree by cons
   (``MetadataIndex``, ``torch.Size``, lists) to that tuple;
 * dtype names as solosave writes them into its own messages (``"float32"``);
 * byte-range checks: every ``(file, offset, length)`` named by a ``.metadata`` lies inside a data
-  file within the checkpoint directory (:func:`check_ranges`).
+  file within the checkpoint directory (:func:`check_ranges`): a name without ``..`` or ``/``
+  (:func:`confined_path`) of a regular file, not a symbolic link that leads out of the directory
+  (:func:`local_file_problem`);
+* which names a data file may have where solosave writes one (:func:`data_file_problem`): the
+  one check of every file name a prepared file or a converted ``Metadata`` gives a rank to write.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -55,6 +60,19 @@ def parse_file_name(name: str) -> tuple[int, int] | None:
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         return None
     return int(parts[0]), int(parts[1])
+
+
+def data_file_problem(name: Any, rank: int | None = None) -> str | None:
+    """``None`` if ``name`` is a data file name ``__{r}_{n}.distcp`` (with ``r == rank`` when
+    ``rank`` is given), else why not. Every file a rank writes is named so, directly inside the
+    checkpoint directory: anything else in a prepared file (``../x``, an absolute path) is
+    crafted or corrupt, and must never reach a writer."""
+    parsed = parse_file_name(name) if isinstance(name, str) else None
+    if parsed is None:
+        return f"{name!r} is not a data file name ('__{{rank}}_{{n}}{DATA_SUFFIX}' inside the checkpoint directory)"
+    if rank is not None and parsed[0] != rank:
+        return f"{name!r} is a data file of rank {parsed[0]}, placed on rank {rank}"
+    return None
 
 
 def checksum_path(data_file: str) -> str:
@@ -124,10 +142,32 @@ def confined_path(directory: str | os.PathLike, relative_path: Any) -> str | Non
     return os.path.join(os.fspath(directory), relative_path)
 
 
+def local_file_problem(directory: str | os.PathLike, path: str) -> str | None:
+    """``None`` if ``path`` (a file directly inside the local checkpoint ``directory``, see
+    :func:`confined_path`) is missing or a regular file that lies inside ``directory``; else why
+    it must not be read: a symbolic link that leads outside the directory (a checkpoint "copied"
+    as links to another, or crafted to make loaders read any file of the machine), or not a
+    regular file (a FIFO would block a reader forever). Paths that are not local (URLs) are
+    never found here and pass."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            real, root = os.path.realpath(path), os.path.realpath(directory)
+            if os.path.commonpath([real, root]) != root:
+                return "a symbolic link to a file outside the checkpoint directory"
+            st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # reported by whoever needs the file
+    except (OSError, ValueError) as e:
+        return f"cannot be examined ({e})"
+    return None if stat.S_ISREG(st.st_mode) else "not a regular file"
+
+
 def check_ranges(directory: str | os.PathLike, storage_data: Mapping[Any, Any],
                  size_of: Callable[[str], int] | None = None) -> list[str]:
     """Every byte range of ``storage_data`` lies inside its data file, which lies inside
-    ``directory``; one message per problem (empty: ok). ``size_of(path)``: a file's size, or
+    ``directory`` (:func:`confined_path`, :func:`local_file_problem`); one message per problem
+    (empty: ok). ``size_of(path)``: a file's size, or
     ``FileNotFoundError`` (default: ``os.stat``; a URL's storage passes its own)."""
     per_file = ranges_by_file(storage_data)
     problems: list[str] = []
@@ -139,6 +179,11 @@ def check_ranges(directory: str | os.PathLike, storage_data: Mapping[Any, Any],
             continue
         if any(off < 0 or n < 0 for off, n, _ in per_file[rel]):
             problems.append(f"{rel}: a record has a negative offset or length")
+            continue
+        why = local_file_problem(directory, path)
+        if why is not None:
+            problems.append(f"{rel}: {why}; refusing to read it (every file read must lie inside the checkpoint "
+                            "directory)")
             continue
         try:
             size = size_of(path) if size_of is not None else os.stat(path).st_size

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from solosave._src.formats.safe_pickle import check_lengths
+
 #: ``get(offset, n)``: ``n`` bytes of the record from ``offset`` (relative to its first byte).
 Getter = Callable[[int, int], Any]
 
@@ -150,6 +152,7 @@ class _SpecUnpickler(pickle.Unpickler):
 
 def _parse_pickle(data: bytes) -> _Spec:
     try:
+        check_lengths(data)  # the unpickler would allocate what a BINBYTES opcode claims first
         spec = _SpecUnpickler(io.BytesIO(data)).load()
     except _NotPlain:
         raise
@@ -265,6 +268,8 @@ def _zip64_sizes(extra: Any, usize: int, csize: int, local: int) -> tuple[int, i
         tag, n = struct.unpack_from("<2H", extra, pos)
         if tag == 1:
             values = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
+            if len(values) < (usize, csize, local).count(_U32):
+                raise _NotPlain  # the field lacks a value the entry says it holds
             if usize == _U32:
                 usize = values.pop(0)
             if csize == _U32:
@@ -386,8 +391,8 @@ def parse_tensor_record(get: Getter, length: int, cache: RecordCache) -> TensorL
         if layout is not None:
             cache.quick[length] = (_marks(get, length, cd_offset, tpl, pkl), layout)
         return layout
-    except (_NotPlain, struct.error, UnicodeError):
-        return None
+    except (_NotPlain, struct.error, UnicodeError, ValueError, IndexError, KeyError, TypeError, OverflowError):
+        return None  # damaged or another form: torch.load(weights_only=True) reads it, or says what is wrong
 
 
 def _marks(get: Getter, length: int, cd_offset: int, tpl: _Template, pkl: bytes) -> tuple[tuple[int, bytes], ...]:

@@ -27,7 +27,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE, METADATA_VERSION, dtype_from_name
+from solosave._src.formats.dcp import (
+    INDEX_FILE,
+    METADATA_FILE,
+    METADATA_VERSION,
+    confined_path,
+    dtype_from_name,
+    local_file_problem,
+)
+from solosave._src.formats.metadata_check import metadata_problem
 from solosave._src.formats.metadata_template import pickled_str
 from solosave._src.index.writer import CRC, MAGIC, PREFIX, ROW, VERSION, IndexStale, IndexUnusable
 from solosave._src.storage.local import pread_all
@@ -60,14 +68,20 @@ class LoadIndex:
     """
 
     def __init__(self, directory: str, fd: int, header: dict[str, Any], directory_json: dict[str, Any],
-                 blobs_at: int) -> None:
+                 blobs_at: int, size: int) -> None:
         self.directory, self._fd, self.header = directory, fd, header
         self.files: list[str] = directory_json["files"]
         self.keys: dict[str, list[Any]] = directory_json["keys"]
         self.groups: list[list[int]] = directory_json["groups"]
         self.planner_data: dict[str, list[Any]] = directory_json.get("planner_data") or {}
         self.version: str | None = directory_json.get("version")
-        self._blobs_at = blobs_at
+        if not (isinstance(self.files, list) and isinstance(self.keys, dict) and isinstance(self.groups, list)
+                and isinstance(self.planner_data, dict) and isinstance(self.version, (str, type(None)))):
+            raise TypeError("files, keys, groups, planner_data or version of another type")
+        for f in self.files:
+            if confined_path(directory, f) is None:
+                raise ValueError(f"it names data file {f!r}, not a file inside the checkpoint directory")
+        self._blobs_at, self._size = blobs_at, size
         self._geometry: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         #: Bytes read from the index so far (header, directory, geometries, row blocks).
         self.bytes_read = 0
@@ -77,6 +91,9 @@ class LoadIndex:
     def open(cls, directory: str | os.PathLike) -> LoadIndex | None:
         directory = os.fspath(directory)
         path = os.path.join(directory, INDEX_FILE)
+        why = local_file_problem(directory, path)
+        if why is not None:
+            raise IndexUnusable(f"{path}: {why}")
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -101,21 +118,24 @@ class LoadIndex:
             body = end + 1
             body_length, md_length = int(header["body_length"]), int(header["metadata_length"])
             save_id, save_id_at = str(header["save_id"]), int(header["save_id_at"])
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise IndexUnusable(f"{path}: its header is corrupt ({e})") from e
-        if os.fstat(fd).st_size != body + body_length:
+        size = os.fstat(fd).st_size
+        if size != body + body_length or body_length < PREFIX.size:
             raise IndexUnusable(f"{path}: truncated or extended (not the {body + body_length} bytes its "
                                 "header says)")
         _check_published(directory, md_length, save_id, save_id_at)
         prefix = _read_exact(fd, body, PREFIX.size, path)
         dir_len, dir_crc = PREFIX.unpack(prefix)
         at = body + PREFIX.size
+        if at + dir_len > size:  # the length field has no checksum of its own: never read what it claims
+            raise IndexUnusable(f"{path}: its directory length ({dir_len} bytes) runs past the end of the file")
         raw = head[at:at + dir_len] if at + dir_len <= len(head) else _read_exact(fd, at, dir_len, path)
         if zlib.crc32(raw) != dir_crc:
             raise IndexUnusable(f"{path}: its directory is corrupt (checksum mismatch)")
         try:
-            self = cls(directory, fd, header, json.loads(raw), at + dir_len)
-        except (ValueError, KeyError, TypeError) as e:
+            self = cls(directory, fd, header, json.loads(raw), at + dir_len, size)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise IndexUnusable(f"{path}: its directory is corrupt ({e})") from e
         self.bytes_read = len(head) if at + dir_len <= len(head) else len(head) + dir_len
         return self
@@ -133,8 +153,10 @@ class LoadIndex:
 
     # -- lookups ---------------------------------------------------------------------------
     def _read(self, offset: int, length: int, what: str) -> bytes:
-        data = _read_exact(self._fd, self._blobs_at + offset, length, os.path.join(self.directory, INDEX_FILE),
-                           what)
+        path = os.path.join(self.directory, INDEX_FILE)
+        if offset < 0 or length < 0 or self._blobs_at + offset + length > self._size:
+            raise IndexUnusable(f"{path}: {what} lies outside the file (offset {offset}, {length} bytes)")
+        data = _read_exact(self._fd, self._blobs_at + offset, length, path, what)
         self.bytes_read += length
         return data
 
@@ -147,7 +169,7 @@ class LoadIndex:
             if zlib.crc32(blob) != crc:
                 raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: the geometry of group {g} is "
                                     "corrupt (checksum mismatch)")
-            arr = np.frombuffer(zlib.decompress(blob), "<i8")
+            arr = np.frombuffer(_inflate(blob, 16 * n * nd), "<i8")
             if arr.size != 2 * n * nd:
                 raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: the geometry of group {g} "
                                     "has the wrong size")
@@ -204,7 +226,7 @@ class LoadIndex:
                 out[fqn] = _StorageInfo(files[f], offset, length)
         except IndexUnusable:
             raise
-        except (ValueError, KeyError, IndexError, TypeError) as err:
+        except _DAMAGED as err:
             raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: corrupt ({err!r})") from err
         return out
 
@@ -258,13 +280,35 @@ class LoadIndex:
                                              requires_grad=bool(e[5]), memory_format=_enum(e[8], torch.memory_format),
                                              pin_memory=bool(e[6]))
                     sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(e[4]), chunks=chunks)
+            planner_data = {k: tuple(self.planner_data[k]) for k in sdm if k in self.planner_data}
         except IndexUnusable:
             raise
-        except (ValueError, KeyError, IndexError, TypeError) as err:
+        except _DAMAGED as err:
             raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: corrupt ({err!r})") from err
-        planner_data = {k: tuple(self.planner_data[k]) for k in sdm if k in self.planner_data}
-        return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
-                        **({"version": self.version} if METADATA_VERSION and self.version else {}))
+        md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
+                      **({"version": self.version} if METADATA_VERSION and self.version else {}))
+        problem = metadata_problem(md)  # only this rank's entries: cheap
+        if problem:
+            raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: its entries are not a DCP Metadata "
+                                f"({problem})")
+        return md
+
+
+def _inflate(blob: bytes, expected: int) -> bytes:
+    """``blob`` decompressed, if it holds ``expected`` bytes: never more than that is produced,
+    and an ``expected`` that no ``len(blob)`` bytes of zlib can hold (it compresses at most
+    about 1032:1) is refused before anything is allocated."""
+    if expected < 0 or expected > 1100 * len(blob) + 1024:
+        raise ValueError(f"{len(blob)} compressed bytes cannot hold {expected}")
+    d = zlib.decompressobj()
+    out = d.decompress(blob, expected + 1)
+    if len(out) != expected or d.unconsumed_tail or not d.eof:
+        raise ValueError(f"holds {len(out)}{'+' if d.unconsumed_tail else ''} bytes, not {expected}")
+    return out
+
+
+#: What a damaged or crafted directory makes the lookups raise (beyond ``IndexUnusable``).
+_DAMAGED = (ValueError, KeyError, IndexError, TypeError, AttributeError, OverflowError, zlib.error, RecursionError)
 
 
 def _overlapping(offs: np.ndarray, sizes: np.ndarray, boxes: tuple | None) -> np.ndarray:

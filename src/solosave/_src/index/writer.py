@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from solosave._src.core.errors import SolosaveError
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_VERSION, dtype_name, index_key
 from solosave._src.formats.metadata_template import MetadataTemplate, pickled_str
 from solosave._src.storage.registry import storage_for
@@ -69,9 +70,9 @@ PREFIX = struct.Struct("<QI")
 CRC = struct.Struct("<I")
 
 
-class IndexUnusable(Exception):
-    """The index cannot be used for this load (stale, foreign, truncated or corrupt); the
-    message says why. The loader then reads ``.metadata``, as stock DCP does."""
+class IndexUnusable(SolosaveError):
+    """The index cannot be used for this load (stale, foreign, truncated, corrupt or crafted);
+    the message says why. The loader then reads ``.metadata``, as stock DCP does."""
 
 
 class IndexStale(IndexUnusable):

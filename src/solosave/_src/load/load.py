@@ -44,10 +44,10 @@ from torch.futures import Future
 from solosave._src.coordination.channel import DistChannel
 from solosave._src.core.errors import CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError
 from solosave._src.core.gc_pause import gc_paused
-from solosave._src.formats.dcp import METADATA_FILE, check_ranges
-from solosave._src.formats.safe_pickle import safe_loads
+from solosave._src.formats.dcp import METADATA_FILE, check_ranges, local_file_problem
+from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.index.reader import IndexUnusable, LoadIndex, wanted_of
-from solosave._src.load.read_path import ReadStats, read_items
+from solosave._src.load.read_path import ReadStats, damaged_record, read_items
 from solosave._src.load.whole_reads import WholeRead, keeps_default, planning_the_rest, reads_in_place, whole_reads
 from solosave._src.storage.base import Storage
 from solosave._src.storage.dcp_filesystem import DcpFileSystem
@@ -76,6 +76,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"refusing to load the record of {fqn!r}: {str(e).splitlines()[0]} Nothing was executed. If "
                 "the checkpoint is yours and holds your own classes, pass them as "
                 "solosave.load(..., safe_globals=[YourClass])") from None
+        except MemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch.load's many ways of meeting damaged bytes
+            raise damaged_record(fqn, e) from None
         if self.flatten_state_dict:
             _set_at(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -92,7 +96,7 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan: Any, planner: Any, whole: Sequence[tuple[WholeRead, Any]] = ()) -> Any:
         """DCP's interface; ``whole``: reads planned without DCP's planner (``(WholeRead,
         storage entry)``, :func:`_load_local` with a load index; needs ``fast_read``)."""
-        needed = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
+        needed = _needed(self.path, self.storage_data, plan)
         needed.update((MetadataIndex(read.fqn), info) for read, info in whole)
         problems = check_ranges(self.path, needed)
         if problems:
@@ -146,7 +150,7 @@ class SafeStorageReader(SafeFileSystemReader):
         self.path = self.fs.init_path(path)
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        needed = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
+        needed = _needed(self.path, self.storage_data, plan)
         problems = check_ranges(self.path, needed, size_of=self.storage.size)
         if problems:
             raise CorruptCheckpointError(
@@ -158,6 +162,17 @@ class SafeStorageReader(SafeFileSystemReader):
         if self.metadata is None:
             self.metadata = parse_metadata(read_metadata_bytes(self.path, self.storage_options), self.path)
         return super().read_metadata(*args, **kwargs)
+
+
+def _needed(path: Any, storage_data: Mapping[Any, Any], plan: Any) -> dict[Any, Any]:
+    """The storage entry of every item of ``plan``; a chunk that ``.metadata`` declares
+    without an entry is a damaged checkpoint."""
+    try:
+        return {item.storage_index: storage_data[item.storage_index] for item in plan.items}
+    except KeyError as e:
+        raise CorruptCheckpointError(
+            f"checkpoint {os.fspath(path)} is damaged: its {METADATA_FILE} declares {e.args[0]} but has no storage "
+            "entry for it. Load an earlier checkpoint; `solosave verify` lists every problem.") from None
 
 
 def _set_at(root: Any, path: Sequence[Any], value: Any) -> None:
@@ -181,14 +196,11 @@ def _set_at(root: Any, path: Sequence[Any], value: Any) -> None:
 
 
 def parse_metadata(data: bytes, directory: str | os.PathLike) -> Metadata:
-    """Unpickle ``.metadata`` bytes through the allowlist; a clear error if they are not a
-    DCP ``Metadata``."""
-    path = os.path.join(os.fspath(directory), METADATA_FILE)
+    """Unpickle ``.metadata`` bytes through the allowlist and check their shape
+    (:func:`~solosave._src.formats.metadata_check.loads_metadata`); a clear
+    :class:`~solosave.PreparedMetadataError` if they are not a DCP ``Metadata`` its loaders can use."""
     with gc_paused():  # tens of thousands of small objects, no cycles: see gc_paused
-        md = safe_loads(data, what=path)
-    if not isinstance(md, Metadata):
-        raise PreparedMetadataError(f"{path}: holds a {type(md).__name__}, not a DCP Metadata")
-    return md
+        return loads_metadata(data, os.path.join(os.fspath(directory), METADATA_FILE))
 
 
 def read_metadata_bytes(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bytes:
@@ -196,8 +208,13 @@ def read_metadata_bytes(path: str | os.PathLike, storage_options: Mapping[str, A
     no such directory, :class:`~solosave.PreparedMetadataError` if the checkpoint is not published."""
     st = storage_for(path, storage_options)
     directory = os.fspath(path)
+    file = st.join(directory, METADATA_FILE)
+    why = local_file_problem(directory, file)  # local files only: a URL is never found there
+    if why is not None:
+        raise PreparedMetadataError(f"{file}: {why}; refusing to read it (every file read must lie inside the "
+                                    "checkpoint directory)")
     try:  # the file first: one request where listing a directory costs another
-        return st.read(st.join(directory, METADATA_FILE))
+        return st.read(file)
     except (FileNotFoundError, NotADirectoryError):
         pass
     if not st.isdir(directory):
@@ -306,6 +323,9 @@ def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: Safe
             error, loaded = _local(state_dict, reader, planner, rank, idx), True
         finally:
             idx.close()
+        if isinstance(error, IndexUnusable):  # found while looking up this rank's entries: before any read
+            log.warning("solosave.load: not using the load index: %s; reading the whole %s", error, METADATA_FILE)
+            error, loaded = None, False
     if not distributed:
         if error is not None:
             raise error

@@ -350,8 +350,9 @@ class _Loader:
         else:
             try:
                 region = layout.region(item.storage_offsets, item.lengths)
-            except ValueError as e:
-                raise ValueError(f"{item.storage_index.fqn!r}: {e}") from None
+            except ValueError as e:  # the record holds another tensor than .metadata says
+                raise CorruptCheckpointError(f"the record of {item.storage_index.fqn!r} is damaged: {e}. Load an "
+                                             "earlier checkpoint; `solosave verify` lists every problem.") from None
         target = self._target(item, region.size)
         n = region.hi - region.lo
         if region.numel and region.contiguous and _plain_cpu(target, layout.dtype):
@@ -386,14 +387,32 @@ class _Loader:
         except pickle.UnpicklingError as e:
             raise UnsafeMetadataError(f"refusing to load the tensor record of {fqn!r}: "
                                       f"{str(e).splitlines()[0]} Nothing was executed.") from None
+        except MemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch.load's many ways of meeting damaged bytes
+            raise damaged_record(fqn, e) from None
         if not isinstance(tensor, torch.Tensor):
             raise CorruptCheckpointError(f"the record of {fqn!r} holds a {type(tensor).__name__}, not a tensor")
         for item in rec.items:
-            chunk = _narrow(tensor, item.storage_offsets, item.lengths)
+            try:
+                chunk = _narrow(tensor, item.storage_offsets, item.lengths)
+            except (RuntimeError, IndexError, ValueError) as e:
+                raise CorruptCheckpointError(
+                    f"the record of {fqn!r} is damaged: it holds a tensor of size {list(tensor.shape)}, which has no "
+                    f"chunk at {list(item.storage_offsets)} of size {list(item.lengths)} ({e})") from None
             target = self._target(item, chunk.size())
             self._before_write(target)
             target.copy_(chunk)
             self._commit(item, target)
+
+
+def damaged_record(fqn: str, e: BaseException) -> CorruptCheckpointError:
+    """The error of a record that ``torch.load(weights_only=True)`` could not read (anything but
+    a refused global): the bytes are damaged, whatever torch's own words for it."""
+    first = (str(e).splitlines() or [""])[0][:200]
+    return CorruptCheckpointError(
+        f"the record of {fqn!r} is damaged: torch.load cannot read it ({type(e).__name__}: {first}). Load an "
+        "earlier checkpoint; `solosave verify` lists every problem.", [f"{fqn}: {type(e).__name__}: {first}"])
 
 
 def read_items(directory: str | os.PathLike, items: Sequence[Any], storage_data: Mapping[Any, Any],

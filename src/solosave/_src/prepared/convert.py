@@ -102,7 +102,7 @@ def prepared_from_columns(sdm: Mapping[str, object], table: ChunkTable, res: Res
                           template: MetadataTemplate, storage_meta: tuple[str, str] | None,
                           fields: dict[str, Any], index_body: bytes | None = None) -> bytes:
     """The prepared file of a collective save from the columns: rows sorted by rank, file and
-    offset with array operations and written as the version-3 column sections
+    offset with array operations and written as the column sections (version 3 on)
     (``_sections.build_prepared``)."""
     file_pos = torch.tensor([p for p, _ in sorted(enumerate(res.files), key=lambda x: _file_order(x[1]))],
                             dtype=torch.int64).argsort()

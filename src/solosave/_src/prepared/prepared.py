@@ -1,13 +1,13 @@
 """Prepared metadata: the layout of a constant structure, reused by every save.
 
-File format version 3 (:mod:`solosave._src.prepared.sections`, written atomically; version-2 files are still
-read as they are): a small header, offset tables, and sections, so that a rank reads only its
+File format version 4 (:mod:`solosave._src.prepared.sections`, written atomically; version-2 and -3 files
+are still read as they are): a small header, offset tables, and sections, so that a rank reads only its
 own part (a few KiB, whatever the world size) and the coordinator also the ``.metadata``
 template it publishes.
 :func:`load_prepared_metadata` also accepts version-1 files (one pickle of the whole
 ``Metadata``), a plain pickled DCP ``Metadata`` (what other tools' create modes write), a
 checkpoint's ``.metadata`` file, or a checkpoint directory: those are converted in memory (a
-read of the whole file; ``solosave prepare`` converts them to version 3 once). Every pickle is
+read of the whole file; ``solosave prepare`` converts them to version 4 once). Every pickle is
 loaded through the allowlist of :mod:`solosave._src.formats.safe_pickle`.
 """
 
@@ -17,12 +17,15 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     Metadata,
     TensorStorageMetadata,
 )
@@ -30,9 +33,21 @@ from torch.distributed.checkpoint.metadata import (
 from solosave._src.coordination.protocol import ItemKind, ItemSpec, PlacedItem, ReusePlan
 from solosave._src.core.errors import FingerprintMismatchError, PreparedMetadataError
 from solosave._src.core.gc_pause import gc_paused
-from solosave._src.formats.dcp import METADATA_FILE, ItemKey, parse_file_name
+from solosave._src.formats.dcp import (
+    CHECKSUM_SUFFIX,
+    INDEX_FILE,
+    METADATA_FILE,
+    ItemKey,
+    data_file_problem,
+    dtype_name,
+    index_key,
+    local_file_problem,
+    parse_file_name,
+)
+from solosave._src.formats.metadata_check import loads_metadata, metadata_problem
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.formats.safe_pickle import safe_loads
+from solosave._src.plan.layout import check_results_cover
 from solosave._src.plan.local_plan import LocalPlan
 from solosave._src.prepared.buckets import key_bucket
 from solosave._src.prepared.convert import sections_from_metadata
@@ -41,7 +56,7 @@ from solosave._src.storage.registry import storage_for
 from solosave._src.storage.sources import BytesSource, Source, StorageSource
 
 MAGIC = b"SOLOSAVE-PREPARED\n"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +115,7 @@ def _restore(reader: SectionReader, source: str) -> PreparedMetadata:
 
 
 class PreparedMetadata:
-    """A prepared metadata (format version 3, or 2), read by sections on demand: a rank's reuse plan
+    """A prepared metadata (format version 4, or 3 or 2), read by sections on demand: a rank's reuse plan
     reads its own section (:meth:`rank_files`), the coordinator the template it publishes
     (:attr:`template`); :attr:`metadata` rebuilds the whole DCP ``Metadata`` (tools, tests).
 
@@ -119,6 +134,8 @@ class PreparedMetadata:
         self._buckets: dict[int, frozenset[ItemKey]] = {}
         self._structure: dict[str, tuple] | None = None
         self._template: MetadataTemplate | None = None
+        self._template_error: str | None = None
+        self._template_lock = threading.Lock()  # the coordinator's publishing thread and its engine
         self._index_body: bytes | None = None
         #: Set when a version-1 file's recorded structure hash does not match its contents.
         self.tampered = False
@@ -199,13 +216,74 @@ class PreparedMetadata:
     # -- publishing (coordinator) -----------------------------------------------------------
     @property
     def template(self) -> MetadataTemplate:
-        """The ``.metadata`` pickle with placeholders, for publishing (coordinator)."""
-        if self._template is None:
-            parts = self._reader.template_parts()
-            if parts is None:
-                raise PreparedMetadataError(f"{self.source}: has no metadata template; recreate it")
-            self._template = MetadataTemplate.from_parts(parts)
-        return self._template
+        """The ``.metadata`` pickle with placeholders, for publishing (coordinator): see
+        :meth:`checked_template`."""
+        return self.checked_template()
+
+    def checked_template(self) -> MetadataTemplate:
+        """The ``.metadata`` pickle with placeholders, for publishing (coordinator).
+
+        Publish only what reads back: a template read from the file is rendered and parsed once,
+        before its first use, and checked against what loaders expect and what this file
+        describes (:meth:`_read_back`); after that it is trusted. One that fails raises
+        :class:`PreparedMetadataError` now and on every later use (the engine then takes the
+        fallback path, which publishes a ``.metadata`` built from the write results and
+        refreshes the prepared file). A template this process built itself
+        (:meth:`adopt_template`) needs no check."""
+        with self._template_lock:
+            if self._template is None:
+                if self._template_error is not None:
+                    raise PreparedMetadataError(self._template_error)
+                tpl = self._template_from_file()
+                try:
+                    self._read_back(tpl)
+                except PreparedMetadataError as e:
+                    self._template_error = str(e)
+                    raise
+                self._template = tpl
+            return self._template
+
+    def _template_from_file(self) -> MetadataTemplate:
+        parts = self._reader.template_parts()
+        if parts is None:
+            raise PreparedMetadataError(f"{self.source}: has no metadata template; recreate it")
+        return MetadataTemplate.from_parts(parts)
+
+    def _read_back(self, template: MetadataTemplate) -> None:
+        """Render ``template`` as a publication would, parse it as a loader would (allowlist,
+        shape: :func:`~solosave._src.formats.metadata_check.loads_metadata`), and check that it
+        is the ``.metadata`` this file describes: its ``storage_meta`` is what was rendered into
+        it (the placeholders are where the header says), its items are those of the structure
+        section, every chunk has exactly one storage entry, and every file it names is a data
+        file of a rank of this file. Raises :class:`PreparedMetadataError` naming the problem."""
+        what = f"{self.source}: its .metadata template does not read back as a checkpoint's .metadata"
+        probe = ("solosave-read-back", uuid.uuid4().hex)
+        try:
+            with gc_paused():
+                md = safe_loads(template.render(*probe), what="it")
+        except PreparedMetadataError as e:  # UnsafeMetadataError too: its first sentence says it all
+            why = f"{type(e.__cause__).__name__}: {e.__cause__}" if e.__cause__ is not None else str(e).split(". ")[0]
+            raise PreparedMetadataError(f"{what} ({why}); {_RECREATE}") from None
+        problem = metadata_problem(md)
+        if problem:
+            raise PreparedMetadataError(f"{what} ({problem}); {_RECREATE}")
+        sm = md.storage_meta
+        if sm is None or (sm.checkpoint_id, sm.save_id) != probe:
+            raise PreparedMetadataError(f"{what} (its storage_meta is not where the header places it); {_RECREATE}")
+        problem = _structure_problem(md, self.structure)
+        if problem is None:
+            results = [(index_key(k), v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()]
+            problem = "; ".join(check_results_cover(md.state_dict_metadata, results)[:3]) or None
+        if problem is None:
+            world = int(self._reader.header["world"])
+            for rel in sorted({v.relative_path for v in md.storage_data.values()}):
+                problem = data_file_problem(rel)
+                if problem is None and parse_file_name(rel)[0] >= world:  # type: ignore[index]
+                    problem = f"{rel!r} is a data file of a rank beyond the file's {world}"
+                if problem:
+                    break
+        if problem:
+            raise PreparedMetadataError(f"{what} ({problem}); {_RECREATE}")
 
     @property
     def index_body(self) -> bytes | None:
@@ -229,13 +307,13 @@ class PreparedMetadata:
 
     @property
     def metadata(self) -> Metadata:
-        """The whole DCP ``Metadata`` (reads and unpickles the template: O(world size))."""
+        """The whole DCP ``Metadata`` (reads and unpickles the template: O(world size)),
+        checked as every loader's ``.metadata`` is (:func:`~solosave._src.formats.metadata_check.loads_metadata`)."""
         sm = self._reader.header.get("storage_meta")
-        data = self.template.render(*(sm or ("", "")))
+        template = self._template if self._template is not None else self._template_from_file()
+        data = template.render(*(sm or ("", "")))
         with gc_paused():
-            md = safe_loads(data, what=self.source)
-        if not isinstance(md, Metadata):
-            raise PreparedMetadataError(f"{self.source}: the template holds a {type(md).__name__}")
+            md = loads_metadata(data, f"{self.source} (its .metadata template)")
         return md if sm else dataclasses.replace(md, storage_meta=None)
 
     # -- reuse planning (every rank, locally) -----------------------------------------------
@@ -304,8 +382,30 @@ class PreparedMetadata:
                 f"file was modified). {fix}")
 
 
+_RECREATE = "delete the file and recreate it (create_prepared_metadata=True or `solosave prepare`)"
+
+
+def _structure_problem(md: Metadata, structure: Mapping[str, tuple]) -> str | None:
+    """Whether ``md`` holds exactly the items of ``structure`` (kind, dtype, global size)."""
+    sdm = md.state_dict_metadata
+    if sdm.keys() != structure.keys():
+        diff = sorted(set(sdm) ^ set(structure))
+        return f"{len(diff)} key(s) differ from the structure section, e.g. {diff[0]!r}"
+    for fqn, (kind, dtype, size) in structure.items():
+        m = sdm[fqn]
+        if kind == 1:
+            ok = isinstance(m, BytesStorageMetadata)
+        else:
+            ok = (isinstance(m, TensorStorageMetadata) and dtype_name(m.properties.dtype) == dtype
+                  and tuple(m.size) == tuple(size))
+        if not ok:
+            want = "bytes" if kind == 1 else f"{dtype}{list(size)} tensor"
+            return f"{fqn!r} is not the {want} of the structure section"
+    return None
+
+
 def _converted(md: Any, fp: Fingerprint | None, where: str) -> PreparedMetadata:
-    """A version-1 file's or plain ``Metadata``'s contents as a version-3 prepared metadata."""
+    """A version-1 file's or plain ``Metadata``'s contents as a version-4 prepared metadata."""
     if not isinstance(md, Metadata):
         raise PreparedMetadataError(f"{where}: holds a {type(md).__name__}, not a DCP Metadata")
     infer_world_workers(md)  # validates the data file names
@@ -318,7 +418,7 @@ def _converted(md: Any, fp: Fingerprint | None, where: str) -> PreparedMetadata:
 
 def open_sectioned(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
                    source: Source | None = None) -> PreparedMetadata | None:
-    """The sectioned (version 3 or 2) prepared file at ``path`` (header read only), or ``None`` if ``path`` is
+    """The sectioned (version 4, 3 or 2) prepared file at ``path`` (header read only), or ``None`` if ``path`` is
     not one (a directory, another format, missing: the caller reads it whole and explains)."""
     if source is None:
         source = StorageSource(path, storage_options)
@@ -346,9 +446,7 @@ def load_prepared_metadata(path: str | os.PathLike, *,
     if not data:
         raise PreparedMetadataError(f"{p}: file is empty")
     with gc_paused():
-        md = safe_loads(data, what=p)
-    if not isinstance(md, Metadata):
-        raise PreparedMetadataError(f"{p}: holds a {type(md).__name__}, not a DCP Metadata")
+        md = loads_metadata(data, p)
     return _converted(md, None, p)
 
 
@@ -357,6 +455,9 @@ def _read_whole(path: str | os.PathLike, storage_options: Mapping[str, Any] | No
     st = storage_for(path, storage_options)
     where = st.normalize(path)
     try:
+        why = local_file_problem(os.path.dirname(where) or ".", where)  # local files only
+        if why == "not a regular file" and not st.isdir(where):  # a FIFO would block the read forever
+            raise PreparedMetadataError(f"{where}: {why}")
         return where, st.read(where)
     except (FileNotFoundError, IsADirectoryError):
         pass
@@ -365,6 +466,9 @@ def _read_whole(path: str | os.PathLike, storage_options: Mapping[str, Any] | No
     if not st.isdir(where):
         raise PreparedMetadataError(f"{where}: no such file")
     inner = st.join(where, METADATA_FILE)
+    why = local_file_problem(where, inner)  # local files only: a URL is never found there
+    if why is not None:
+        raise PreparedMetadataError(f"{inner}: {why}; refusing to read it")
     try:
         return inner, st.read(inner)
     except FileNotFoundError:
@@ -386,12 +490,12 @@ def _parse_prepared(p: str, data: bytes) -> PreparedMetadata:
     except ValueError as e:
         raise PreparedMetadataError(f"{p}: prepared-metadata header is truncated or corrupt ({e}); "
                                     "delete the file and recreate it") from e
-    if version != 1:  # versions 2 and 3 are opened by sections (open_sectioned)
+    if version != 1:  # versions 2 to 4 are opened by sections (open_sectioned)
         raise FingerprintMismatchError(
             f"{p}: prepared-metadata format version {version}; this solosave reads 1, "
             f"{', '.join(map(str, READ_VERSIONS))}. Recreate it with create_prepared_metadata=True")
     with gc_paused():
-        md = safe_loads(payload, what=str(p))
+        md = loads_metadata(payload, str(p))
     try:
         fp = Fingerprint(fpd["world_size"], fpd["workers"], fpd["structure_hash"], fpd.get("torch_version"))
     except KeyError as e:
@@ -399,10 +503,36 @@ def _parse_prepared(p: str, data: bytes) -> PreparedMetadata:
     return _converted(md, fp, str(p))
 
 
+def prepared_target_problem(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """``None`` if a prepared file may be written at ``path``; else why not: ``path`` is a file
+    of a checkpoint (its ``.metadata``, which neither loader could read afterwards, its load
+    index, a data file or a checksum file) or a directory (a checkpoint given as prepared
+    metadata). Every writer of prepared files asks: the engine when it refreshes the prepared
+    metadata, :func:`save_prepared_metadata` and ``solosave prepare``."""
+    name = storage_for(path, storage_options).basename(path)
+    if name == METADATA_FILE:
+        return f"{path} is a checkpoint's {METADATA_FILE}: no loader could read that checkpoint afterwards"
+    if name == INDEX_FILE or name.endswith(CHECKSUM_SUFFIX) or parse_file_name(name) is not None:
+        return f"{path} is a file of a checkpoint"
+    if storage_for(path, storage_options).isdir(path):
+        return f"{path} is a directory (a checkpoint is never written into)"
+    return None
+
+
+def check_prepared_target(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> None:
+    """:class:`PreparedMetadataError` if :func:`prepared_target_problem` finds one."""
+    why = prepared_target_problem(path, storage_options)
+    if why is not None:
+        raise PreparedMetadataError(f"refusing to write a prepared-metadata file there: {why}. Write it elsewhere "
+                                    "(e.g. prepared.metadata beside the checkpoints)")
+
+
 def save_prepared_metadata(prepared: PreparedMetadata | Metadata, path: str | os.PathLike, *,
                            storage_options: Mapping[str, Any] | None = None) -> None:
-    """Write ``prepared`` to ``path`` (format version 3) atomically (temp file, fsync, rename,
-    directory fsync; on an object store one single-object write)."""
+    """Write ``prepared`` to ``path`` (format version 4) atomically (temp file, fsync, rename,
+    directory fsync; on an object store one single-object write). Refuses a ``path`` that is a
+    checkpoint's file or a directory (:func:`prepared_target_problem`)."""
+    check_prepared_target(path, storage_options)  # before the conversion, which may take long
     if isinstance(prepared, Metadata):
         prepared = PreparedMetadata.from_metadata(prepared)
     write_prepared_bytes(path, prepared.to_bytes(), storage_options=storage_options)
@@ -411,7 +541,9 @@ def save_prepared_metadata(prepared: PreparedMetadata | Metadata, path: str | os
 def write_prepared_bytes(path: str | os.PathLike, data: bytes,
                          storage_options: Mapping[str, Any] | None = None) -> None:
     """Write the bytes of a prepared file atomically (the storage's commit), creating its
-    directory if needed."""
+    directory if needed; never over a checkpoint's file or a directory
+    (:func:`prepared_target_problem`: :class:`PreparedMetadataError`)."""
+    check_prepared_target(path, storage_options)
     st = storage_for(path, storage_options)
     where = st.normalize(path)
     st.makedirs(st.dirname(where) or ".")

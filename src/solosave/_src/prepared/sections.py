@@ -1,12 +1,14 @@
-"""The sectioned prepared-metadata format (version 3; version 2 is still read): every rank
-reads only its own part.
+"""The sectioned prepared-metadata format (version 4; versions 2 and 3 are still read): every
+rank reads only its own part.
 
 A prepared file used to be one pickle of the whole ``Metadata``, read and unpickled by every
 rank at start-up (at W=4096, 114 MiB and ~25 s per rank). Version 2 cuts it into sections that
 are found through fixed-width offset tables, so a rank reads a few kilobytes whatever the world
 size::
 
-    b"SOLOSAVE-PREPARED\\n"  b"3\\n"  <one JSON line: the header>  <body>
+    b"SOLOSAVE-PREPARED\\n"  b"4\\n"  <one JSON line: the header>  <CRC32 line>  <body>
+
+    CRC32 line   8 hex digits and a newline: the CRC32 of every byte before it (version 4)
 
     body (offsets in the header and the tables are relative to its start):
       rank table      W entries of (offset u64, length u32, crc u32): rank r's section
@@ -33,7 +35,14 @@ chunk) also the directory bucket of that key; the coordinator also the template 
 
 Integrity: each section's CRC32 is seeded with the file's random ``file_id``, so a section
 that is corrupt, truncated, or read from a file replaced since its header was read fails its
-check with a clear :class:`PreparedMetadataError`. Pickles are loaded through the allowlist.
+check with a clear :class:`PreparedMetadataError`. Version 4 adds a CRC32 of the header itself,
+which holds the positions of the template's placeholders: one changed digit there would make
+every reuse save publish a ``.metadata`` that no loader can read. Every header field, offset
+table entry and row is checked for its type and range before it is used, every pickle is
+loaded through the allowlist, and every data file name a rank section gives its rank is checked
+(:func:`~solosave._src.formats.dcp.data_file_problem`): a crafted file is refused with a
+:class:`PreparedMetadataError`, never makes a rank write outside its checkpoint directory, and
+never makes a reader allocate more than the file holds.
 """
 
 from __future__ import annotations
@@ -53,16 +62,18 @@ import torch
 from solosave._src.coordination.protocol import PlacedItem
 from solosave._src.core.checksum import crc32
 from solosave._src.core.errors import PreparedMetadataError
-from solosave._src.formats.dcp import ItemKey, parse_file_name
+from solosave._src.formats.dcp import ItemKey, data_file_problem, parse_file_name
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.formats.safe_pickle import safe_loads
 from solosave._src.prepared.buckets import bucket_count, column_buckets
 from solosave._src.storage.sources import Source
 
 MAGIC = b"SOLOSAVE-PREPARED\n"
-VERSION = 3
+VERSION = 4
 #: The versions the reader opens.
-READ_VERSIONS = (2, 3)
+READ_VERSIONS = (2, 3, 4)
+#: The version from which the header has a CRC32 line.
+HEADER_CRC_VERSION = 4
 _ENTRY = struct.Struct("<QII")
 _COUNT = struct.Struct("<I")
 _FILE = struct.Struct("<IH")
@@ -123,7 +134,7 @@ def build_prepared(fingerprint: dict[str, Any], structure: dict[str, tuple], lay
                    template: tuple[bytes, tuple[int, int, int, int]] | None,
                    storage_meta: tuple[str, str] | None,
                    index_body: bytes | None = None) -> tuple[bytes, dict[str, Any]]:
-    """The bytes of a version-3 prepared file and its header.
+    """The bytes of a version-4 prepared file and its header.
 
     ``fingerprint``: the JSON fields of the fingerprint, less ``structure_hash`` (computed
     here from the sections, so equal layouts give equal hashes); ``layout``: every rank's
@@ -189,8 +200,8 @@ def build_prepared(fingerprint: dict[str, Any], structure: dict[str, tuple], lay
               "fingerprint": {**fingerprint, "structure_hash": h.hexdigest()[:32]},
               "structure": s_entry, "template": (t_entry + list(template[1])) if template else None, "index": i_entry,
               "storage_meta": list(storage_meta) if storage_meta else None, "body_size": pos}
-    line = json.dumps(header, sort_keys=True).encode() + b"\n"
-    data = b"".join([MAGIC, b"%d\n" % VERSION, line, bytes(table), *out])
+    head = MAGIC + b"%d\n" % VERSION + json.dumps(header, sort_keys=True).encode() + b"\n"
+    data = b"".join([head, b"%08x\n" % crc32(head), bytes(table), *out])
     return data, header
 
 
@@ -212,17 +223,19 @@ def is_sectioned(head: bytes) -> bool:
 
 
 class SectionReader:
-    """Reads the sections of one version-2 or version-3 prepared file (see the module
-    docstring)."""
+    """Reads the sections of one version-2, -3 or -4 prepared file (see the module docstring)."""
 
     def __init__(self, source: Source) -> None:
         self.source = source
         head = source.read(0, _HEAD_READ)
         if not is_sectioned(head):
-            raise PreparedMetadataError(f"{source.where}: not a sectioned (version 2 or 3) prepared-metadata file")
+            raise PreparedMetadataError(f"{source.where}: not a sectioned (version "
+                                        f"{', '.join(map(str, READ_VERSIONS))}) prepared-metadata file")
         start = len(MAGIC) + 2
+        self.version = int(head[len(MAGIC):start - 1])
+        crc_line = 9 if self.version >= HEADER_CRC_VERSION else 0
         end = head.find(b"\n", start)
-        while end < 0 and len(head) < _HEAD_MAX:
+        while (end < 0 or len(head) < end + 1 + crc_line) and len(head) < _HEAD_MAX:
             more = source.read(len(head), _HEAD_READ * 16)
             if not more:
                 break
@@ -231,16 +244,14 @@ class SectionReader:
         try:
             if end < 0:
                 raise ValueError("no end of header")
+            if crc_line:
+                _check_header_crc(head[:end + 1], head[end + 1:end + 1 + crc_line])
             self.header: dict[str, Any] = json.loads(head[start:end])
-            self.file_id = bytes.fromhex(self.header["file_id"])
-            self.world = int(self.header["world"])
-            self.buckets = int(self.header["buckets"])
-            self.version = int(head[len(MAGIC):start - 1])
-            self.width = int(self.header.get("width", 0))
-        except (ValueError, KeyError, TypeError) as e:
+            self.file_id, self.world, self.buckets, self.width = _checked_header(self.header)
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise PreparedMetadataError(f"{source.where}: prepared-metadata header is truncated or "
                                         f"corrupt ({e}); {_FIX}") from e
-        self.body = end + 1
+        self.body = end + 1 + crc_line
         self._names: list[str] | None = None
         self._check_extent()
         self.structure()  # small, read by every rank: a corrupt file fails here, on every rank
@@ -267,7 +278,11 @@ class SectionReader:
         self._names: list[str] | None = None
 
     def _section(self, entry: Sequence[int], what: str) -> bytes:
-        off, length, crc = int(entry[0]), int(entry[1]), int(entry[2])
+        off, length, crc = (int(x) for x in entry[:3])
+        size = self.header.get("body_size")
+        if off < 0 or length < 0 or (size is not None and off + length > int(size)):
+            raise PreparedMetadataError(f"{self.source.where}: {what} lies outside the file (offset {off}, "
+                                        f"{length} bytes): it is corrupt; {_FIX}")
         data = self.source.read(self.body + off, length) if length else b""
         if len(data) != length:
             raise PreparedMetadataError(f"{self.source.where}: {what} is truncated ({len(data)} of "
@@ -289,12 +304,12 @@ class SectionReader:
 
     def structure(self) -> dict[str, tuple]:
         out = self._load(self._section(self.header["structure"], "the structure section"), "structure")
-        if not isinstance(out, dict):
+        if not isinstance(out, dict) or not all(map(_structure_entry_ok, out.keys(), out.values())):
             raise PreparedMetadataError(f"{self.source.where}: the structure section is corrupt; {_FIX}")
         return out
 
     def names(self) -> list[str]:
-        """The fqns in structure order: what the fqn ids of version-3 sections refer to."""
+        """The fqns in structure order: what the fqn ids of column sections (version 3 on) refer to."""
         if self._names is None:
             self._names = list(self.structure())
         return self._names
@@ -305,11 +320,14 @@ class SectionReader:
         what = f"the section of rank {rank}"
         data = self._section(self._entry(rank, what), what)
         try:
-            if self.version >= 3:
-                return self._columns_layout(data)
-            return layout_from_rows(self._load(data, what))
-        except (TypeError, ValueError, IndexError, struct.error) as e:
+            layout = self._columns_layout(data) if self.version >= 3 else layout_from_rows(self._load(data, what))
+        except (TypeError, ValueError, IndexError, KeyError, struct.error, OverflowError) as e:
             raise PreparedMetadataError(f"{self.source.where}: {what} is corrupt ({e}); {_FIX}") from e
+        for rel, _ in layout.files:  # the names a rank's worker will create: never outside the checkpoint
+            why = data_file_problem(rel, rank)
+            if why is not None:
+                raise PreparedMetadataError(f"{self.source.where}: {what} is corrupt or crafted: {why}; {_FIX}")
+        return layout
 
     def _columns_layout(self, data: bytes) -> RankLayout:
         (n_files,), at = _COUNT.unpack_from(data, 0), _COUNT.size
@@ -354,8 +372,8 @@ class SectionReader:
                 names = self.names()
                 return frozenset(self._key(names, r[0], r[1], r[2:]) for r in self._rows(data, 0, 2 + self.width))
             keys = self._load(data, what)
-            return frozenset((k[0], tuple(k[1]) if k[1] is not None else None) for k in keys)
-        except (TypeError, ValueError, IndexError) as e:
+            return frozenset((str(k[0]), tuple(int(o) for o in k[1]) if k[1] is not None else None) for k in keys)
+        except (TypeError, ValueError, IndexError, KeyError, OverflowError) as e:
             raise PreparedMetadataError(f"{self.source.where}: {what} is corrupt ({e}); {_FIX}") from e
 
     def index_body(self) -> bytes | None:  # None: a file made before the load index
@@ -368,7 +386,63 @@ class SectionReader:
             return None
         data = self._section(t[:3], "the template section")
         i, a, j, b = (int(x) for x in t[3:7])
+        if not 0 <= i <= i + a <= j <= j + b <= len(data):
+            raise PreparedMetadataError(f"{self.source.where}: the placeholder positions of the .metadata template "
+                                        f"are corrupt ({[i, a, j, b]} in {len(data)} bytes); {_FIX}")
         return data[:i], data[i + a:j], data[j + b:]
+
+
+def _check_header_crc(head: bytes, line: bytes) -> None:
+    """Version 4: ``line`` holds the CRC32 of ``head`` (every byte before it)."""
+    if len(line) != 9 or line[8:] != b"\n" or int(line[:8], 16) != crc32(head):
+        raise ValueError("its checksum does not match (the header was changed or damaged)")
+
+
+def _entry_ok(value: Any, n: int) -> bool:
+    return isinstance(value, list) and len(value) == n and all(type(x) is int and x >= 0 for x in value)
+
+
+def _checked_header(h: Any) -> tuple[bytes, int, int, int]:
+    """``(file_id, world, buckets, width)`` of a parsed header whose every field the reader
+    uses has its type and range; ``ValueError`` / ``KeyError`` / ``TypeError`` naming the field."""
+    if not isinstance(h, dict):
+        raise TypeError(f"a JSON {type(h).__name__}, not an object")
+    file_id = bytes.fromhex(h["file_id"])
+    counts = {k: h.get(k, 0) for k in ("world", "buckets", "width", "max_files", "ranks_with_files")}
+    counts["world"], counts["buckets"] = h["world"], h["buckets"]
+    for k, v in counts.items():
+        if type(v) is not int or v < 0:
+            raise ValueError(f"{k} is {v!r}, not a count")
+    if counts["buckets"] < 1:
+        raise ValueError("no directory buckets")
+    fp = h["fingerprint"]
+    if not isinstance(fp, dict) or not isinstance(fp.get("structure_hash"), str):
+        raise ValueError("the fingerprint has no structure hash")
+    for k in ("world_size", "workers", "format_version"):
+        if fp.get(k) is not None and type(fp[k]) is not int:
+            raise ValueError(f"the fingerprint's {k} is {fp[k]!r}, not a count")
+    if not _entry_ok(h["structure"], 3):
+        raise ValueError("the structure entry is not three counts")
+    for k, n in (("template", 7), ("index", 3)):
+        if h.get(k) is not None and not _entry_ok(h[k], n):
+            raise ValueError(f"the {k} entry is not {n} counts")
+    sm, size = h.get("storage_meta"), h.get("body_size")
+    if sm is not None and not (isinstance(sm, list) and len(sm) == 2 and all(isinstance(x, str) for x in sm)):
+        raise ValueError("storage_meta is not two strings")
+    if size is not None and (type(size) is not int or size < 0):
+        raise ValueError(f"body_size is {size!r}")
+    return file_id, counts["world"], counts["buckets"], counts["width"]
+
+
+def _structure_entry_ok(fqn: Any, entry: Any) -> bool:
+    """One entry of the structure section: ``fqn -> (kind, dtype name, global size)``."""
+    if not isinstance(fqn, str) or not isinstance(entry, tuple) or len(entry) != 3:
+        return False
+    kind, dtype, size = entry
+    if kind == 1:
+        return True
+    return (kind == 0 and isinstance(dtype, str) and isinstance(size, tuple)
+            and all(type(n) is int and n >= 0 for n in size))
 
 
 def layout_from_rows(files: Iterable[tuple[str, Iterable[Row]]]) -> RankLayout:

@@ -47,7 +47,7 @@ from solosave._src.coordination.protocol import (
 from solosave._src.coordination.status import same_save
 from solosave._src.core.errors import describe
 from solosave._src.core.gc_pause import gc_paused
-from solosave._src.formats.dcp import METADATA_FILE, file_name
+from solosave._src.formats.dcp import file_name
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.index.writer import body_from_columns
 from solosave._src.plan.columns import placed_columns
@@ -55,11 +55,15 @@ from solosave._src.plan.global_plan import GlobalPlan, global_plan
 from solosave._src.plan.layout import bucket_items
 from solosave._src.plan.metadata_pickle import metadata_template
 from solosave._src.prepared.convert import prepared_from_columns
-from solosave._src.prepared.prepared import PreparedMetadata, open_sectioned, write_prepared_bytes
+from solosave._src.prepared.prepared import (
+    PreparedMetadata,
+    open_sectioned,
+    prepared_target_problem,
+    write_prepared_bytes,
+)
 from solosave._src.prepared.sections import SectionReader
 from solosave._src.save.rank_io import RankIO
 from solosave._src.save.writer import bytes_slot
-from solosave._src.storage.registry import storage_for
 from solosave._src.storage.sources import BytesSource
 
 
@@ -231,10 +235,10 @@ def _persist_prepared(blob: bytes, settings: EngineSettings, warnings: list[str]
     if not path:
         return in_memory
     try:
-        storage = storage_for(path, options)
-        if storage.basename(path) == METADATA_FILE or storage.isdir(path):
+        why = prepared_target_problem(path, options)
+        if why is not None:
             warnings.append(f"the prepared metadata came from checkpoint {path}, which is never "
-                            "written into; the refreshed prepared metadata is kept in memory")
+                            f"written into ({why}); the refreshed prepared metadata is kept in memory")
             return in_memory
         write_prepared_bytes(path, blob, storage_options=options)
         written = open_sectioned(path, options)

@@ -28,6 +28,7 @@ from typing import Any
 
 from solosave._src.coordination.protocol import ItemSpec, PlacedItem, ReusePlan, SaveJob, StagedItem, WriteResult
 from solosave._src.core.errors import describe
+from solosave._src.formats.dcp import data_file_problem
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.index import writer as index
 from solosave._src.save.buffer import BufferReader
@@ -101,7 +102,12 @@ class RankIO:
         return self._write_records(job, self._program_records(job, program), timings), program
 
     def _write_records(self, job: SaveJob, todo: Files, timings: dict[str, float]) -> list[WriteResult]:
-        """Write ``todo`` (each file's records) into ``job``'s directory."""
+        """Write ``todo`` (each file's records) into ``job``'s directory: only this rank's data
+        files, directly inside it (a name from a crafted prepared file never reaches the writer)."""
+        for name, _ in todo:
+            why = data_file_problem(name, self.rank)
+            if why is not None:
+                raise ValueError(f"refusing to write {why}")
         t0 = time.perf_counter()
         storage_for(job.directory, self.storage_options).makedirs(job.directory)
         unpublish(job.directory, self.storage_options)  # never an old .metadata next to new data

@@ -44,7 +44,7 @@ from solosave._src.coordination.protocol import (
     decode_status,
     encode_status,
 )
-from solosave._src.core.errors import describe
+from solosave._src.core.errors import PreparedMetadataError, describe
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.plan.layout import check_layout
 from solosave._src.prepared.prepared import PreparedMetadata
@@ -65,6 +65,9 @@ def run_reuse(channel: Channel, settings: EngineSettings, io: RankIO, job: SaveJ
     made = None
     try:
         status, drifts, results, err = write_and_check(io, job, timings)
+        if status is Status.OK and channel.is_coordinator:
+            drifts = _template_drift(prepared)
+            status = Status.DRIFT if drifts else status
         agreed = decode_status(channel.all_reduce_and(encode_status(status, job.identity)), job.identity)
         if agreed is None:
             raise OutOfStep(f"this rank's save {job.seq} to {job.directory} met a different save "
@@ -183,6 +186,22 @@ class ReceiptLost(ChannelError):
                     "published it later is unknown on this rank")
         return f"the coordinator could not publish {METADATA_FILE} either"
 
+def _template_drift(prepared: PreparedMetadata | None) -> list[str]:
+    """Coordinator, before the status word: publish only what reads back. The ``.metadata``
+    template of a prepared file is rendered and parsed once, the first time it is used
+    (:meth:`PreparedMetadata.checked_template`); one that does not read back as the ``.metadata``
+    the file describes (a damaged or crafted file that passed its other checks) is a drift of
+    this save: every rank then takes the fallback, which publishes a ``.metadata`` built from the
+    write results and refreshes the prepared file (or, with ``"raise"``, fails the save and
+    publishes nothing). Returns the drift (empty: the template is sound)."""
+    if prepared is None:
+        return []
+    try:
+        prepared.checked_template()
+    except PreparedMetadataError as e:
+        return [str(e)]
+    return []
+
 
 def _start_ahead(channel: Channel, io: RankIO, job: SaveJob, prepared: PreparedMetadata | None,
                  save_id: str) -> Ahead | None:
@@ -194,14 +213,15 @@ def _start_ahead(channel: Channel, io: RankIO, job: SaveJob, prepared: PreparedM
 
     def run(ahead: Ahead) -> None:
         try:  # it may run before this rank's data write creates the directory
+            template = prepared.template  # read back once per prepared file: see _template_drift
             io.make_directory(job)
-        except Exception:  # noqa: BLE001 - the data write meets (and reports) the same error
+        except Exception:  # noqa: BLE001 - the data write or the reuse path meets (and reports) the same error
             return
-        warning = io.write_index(job, lambda: (prepared.index_body, prepared.template), save_id, defaultdict(float))
+        warning = io.write_index(job, lambda: (prepared.index_body, template), save_id, defaultdict(float))
         if warning is not None:
             ahead.warn(warning)
         try:
-            ahead.offer(io.stage_metadata(job, prepared.template.render_parts(os.fspath(job.directory), save_id)))
+            ahead.offer(io.stage_metadata(job, template.render_parts(os.fspath(job.directory), save_id)))
         except Exception:  # noqa: BLE001,S110 - publishing writes it whole, and reports its error
             pass
 

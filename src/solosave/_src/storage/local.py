@@ -33,12 +33,18 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
+#: The most one ``pread`` of :func:`pread_all` asks for: a length read from a damaged file
+#: allocates at most this much beyond what the file holds.
+PREAD_CHUNK = 16 << 20
+
+
 def pread_all(fd: int, offset: int, length: int) -> bytes:
     """``length`` bytes of ``fd`` from ``offset`` (``pread`` until done; shorter only at the end
-    of the file)."""
+    of the file). Read in pieces of at most ``PREAD_CHUNK``, so that a ``length`` taken from a
+    damaged file never allocates more than the file holds."""
     parts, done = [], 0
     while done < length:
-        b = os.pread(fd, length - done, offset + done)
+        b = os.pread(fd, min(length - done, PREAD_CHUNK), offset + done)
         if not b:
             break
         parts.append(b)

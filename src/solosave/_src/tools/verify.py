@@ -35,6 +35,7 @@ from solosave._src.formats.dcp import (
     checksum_path,
     confined_path,
     index_key,
+    local_file_problem,
     ranges_by_file,
 )
 from solosave._src.index.reader import IndexStale, IndexUnusable, LoadIndex
@@ -55,14 +56,38 @@ class VerifyReport:
     items: int
     records: int
     files: dict[str, int]
-    #: "verified" (every record has a matching CRC32), "absent" (no sidecars), "partial".
+    #: "verified" (every record has a matching CRC32), "absent" (no checksum files), "partial"
+    #: (some data files have none; every record checked matches), "failed" (a record's CRC32
+    #: differs, or a record could not be checked: unreadable checksum file, none recorded for
+    #: it, data file truncated or not safe to read).
     checksums: str
+    #: Records whose CRC32 was computed and matches the recorded one.
     checksummed_records: int
     #: None (not asked), "matches" or "differs".
     prepared: str | None
     problems: tuple[str, ...] = field(default_factory=tuple)
     #: The load index: None (none, or a URL), "matches", "stale", "differs" or "damaged".
     index: str | None = None
+    #: Records whose CRC32 differs from the recorded one.
+    checksum_mismatches: int = 0
+    #: Records of data files with a checksum file that could not be checked (see ``checksums``).
+    checksum_unchecked: int = 0
+    #: Records of data files without a checksum file.
+    checksum_unrecorded: int = 0
+
+    def checksum_summary(self) -> str:
+        """One line that says what the checksum pass found, e.g. ``failed (7 of 9 records match,
+        2 could not be checked)``."""
+        if self.checksums == "absent":
+            return "absent"
+        total = (self.checksummed_records + self.checksum_mismatches + self.checksum_unchecked
+                 + self.checksum_unrecorded)
+        parts = [f"{self.checksummed_records} of {total} records match"]
+        parts += [f"{n} {what}" for n, what in ((self.checksum_mismatches, "differ"),
+                                                (self.checksum_unchecked, "could not be checked"),
+                                                (self.checksum_unrecorded, "have no checksum file"))
+                  if n]
+        return f"{self.checksums} ({', '.join(parts)})"
 
     @property
     def ok(self) -> bool:
@@ -71,7 +96,9 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "ok": self.ok, "items": self.items, "records": self.records,
                 "files": self.files, "checksums": self.checksums,
-                "checksummed_records": self.checksummed_records, "prepared": self.prepared,
+                "checksummed_records": self.checksummed_records, "checksum_mismatches": self.checksum_mismatches,
+                "checksum_unchecked": self.checksum_unchecked, "checksum_unrecorded": self.checksum_unrecorded,
+                "prepared": self.prepared,
                 "index": self.index, "problems": list(self.problems)}
 
 
@@ -132,37 +159,73 @@ def _crc_of_range(f: Any, off: int, n: int, progress: Callable[[int, int], None]
     return crc
 
 
+@dataclass
+class _Tally:
+    """What the checksum pass found, per record."""
+
+    sidecars: int = 0
+    matched: int = 0
+    mismatched: int = 0
+    unchecked: int = 0
+    unrecorded: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        if not self.sidecars:
+            return "absent"
+        if self.mismatched or self.unchecked:
+            return "failed"
+        return "partial" if self.unrecorded else "verified"
+
+
 def _checksums(directory: str, per_file: dict[str, list[tuple[int, int, str]]],
-               progress: Callable[[int, int], None] | None, storage: Storage) -> tuple[str, int, list[str]]:
-    problems: list[str] = []
-    checked = 0
-    files = [rel for rel in sorted(per_file, key=str) if confined_path(directory, rel) is not None
-             and storage.exists(checksum_path(storage.join(directory, rel)))]
+               progress: Callable[[int, int], None] | None, storage: Storage) -> _Tally:
+    """Step 3: the CRC32 of every record of every data file that has a checksum file."""
+    tally = _Tally()
+    files = []
+    for rel in sorted(per_file, key=str):
+        if confined_path(directory, rel) is not None and storage.exists(checksum_path(storage.join(directory, rel))):
+            files.append(rel)
+        else:
+            tally.unrecorded += len(per_file[rel])
+    tally.sidecars = len(files)
+    if not files:
+        return tally
     total = sum(n for rel in files for _, n, _ in per_file[rel])
     for rel in files:
         data_path = storage.join(directory, rel)
+        sidecar = checksum_path(data_path)
+        records = sorted(per_file[rel])
         try:
-            recorded = _read_sidecar(checksum_path(data_path), storage)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            problems.append(f"{rel}{CHECKSUM_SUFFIX}: unreadable checksum file ({e})")
+            why = local_file_problem(directory, sidecar)
+            if why is not None:
+                raise ValueError(why)
+            recorded = _read_sidecar(sidecar, storage)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as e:
+            tally.problems.append(f"{rel}{CHECKSUM_SUFFIX}: unreadable checksum file ({e})")
+            tally.unchecked += len(records)
             continue
-        if not storage.exists(data_path):
-            continue  # reported by check_ranges
+        if not storage.exists(data_path) or local_file_problem(directory, data_path) is not None:
+            tally.unchecked += len(records)  # reported by check_ranges
+            continue
         with storage.open_read(data_path) as f:
-            for off, n, name in sorted(per_file[rel]):
+            for off, n, name in records:
                 want = recorded.get((off, n))
                 if want is None:
-                    problems.append(f"{rel}: no checksum recorded for {name} at {off}+{n}")
+                    tally.problems.append(f"{rel}: no checksum recorded for {name} at {off}+{n}")
+                    tally.unchecked += 1
                     continue
                 crc = _crc_of_range(f, off, n, progress, total)
                 if crc is None:
-                    continue  # truncated: reported by check_ranges
-                checked += 1
-                if crc != want:
-                    problems.append(f"{rel}: checksum mismatch for {name} at {off}+{n} "
-                                    f"(crc32 {crc:08x}, recorded {want:08x})")
-    status = "absent" if not files else ("verified" if len(files) == len(per_file) else "partial")
-    return status, checked, problems
+                    tally.unchecked += 1  # truncated: reported by check_ranges
+                elif crc != want:
+                    tally.mismatched += 1
+                    tally.problems.append(f"{rel}: checksum mismatch for {name} at {off}+{n} "
+                                          f"(crc32 {crc:08x}, recorded {want:08x})")
+                else:
+                    tally.matched += 1
+    return tally
 
 
 def compare_with_prepared(md: Metadata, prepared_path: str | os.PathLike,
@@ -236,10 +299,10 @@ def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | 
     problems += check_ranges(directory, md.storage_data, size_of=storage.size)
     problems += check_files_tiled(directory, ranges_by_file(md.storage_data), storage)
     per_file = ranges_by_file(md.storage_data)
-    status, checked = "absent", 0
+    tally = _Tally(unrecorded=len(results))
     if checksums:
-        status, checked, crc_problems = _checksums(directory, per_file, progress, storage)
-        problems += crc_problems
+        tally = _checksums(directory, per_file, progress, storage)
+        problems += tally.problems
     prepared_status = None
     if prepared is not None:
         diffs = compare_with_prepared(md, prepared, storage_options)
@@ -248,8 +311,9 @@ def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | 
     index_status, index_problems = check_index(directory, md)
     problems += index_problems
     files = {rel: max(off + n for off, n, _ in rs) for rel, rs in sorted(per_file.items())}
-    return VerifyReport(directory, len(md.state_dict_metadata), len(results), files, status, checked,
-                        prepared_status, tuple(problems), index_status)
+    return VerifyReport(directory, len(md.state_dict_metadata), len(results), files, tally.status, tally.matched,
+                        prepared_status, tuple(problems), index_status, tally.mismatched, tally.unchecked,
+                        tally.unrecorded)
 
 
 __all__ = ["VerifyReport", "check_files_tiled", "check_index", "compare_with_prepared",
