@@ -35,7 +35,9 @@ sharded state dicts) are Lightning's strategies with their checkpoint methods re
 
 The workers start at ``setup`` (when ``fit`` runs with a ``ModelCheckpoint``), so the first save
 does not wait for them; otherwise at the first save. ``teardown`` waits (bounded by the options'
-``timeout``) for the save in flight and stops them. :meth:`wait_for_checkpoint` (every rank)
+``timeout``) for the save in flight and stops them. A save outside a run (``trainer.save_checkpoint``
+after ``fit``) returns only once it is published, and stops the workers it started: no loop
+would collect it and no ``teardown`` follows. :meth:`wait_for_checkpoint` (every rank)
 waits for the save in flight, e.g. before reading it in the same job.
 
 Who calls what (every rank, Lightning's order): ``setup`` (collective once: the workers' start)
@@ -69,7 +71,7 @@ try:
     from lightning.fabric.utilities.load import _METADATA_FILENAME as META_FILE
     from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDPStrategy
     from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
-    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 except ImportError as e:  # lightning missing, or a release without these names
     raise ImportError(f"solosave.lightning needs lightning 2.6 ({e}); install it with: "
                       "pip install 'solosave[lightning]'") from e
@@ -171,6 +173,15 @@ class _SolosaveCheckpointing:
         handle = publisher.save(int(checkpoint.get("global_step", 0)), state, os.fspath(path), files=files,
                                 overwrite=True)
         self._staging = handle if publisher.checkpointer.options.overlap_staging else None
+        if not self._in_a_run():  # no loop will collect it and no teardown will follow: finish it now
+            error = self._drain()
+            if error is not None:
+                raise error
+
+    def _in_a_run(self) -> bool:
+        """Inside ``fit``/``validate``/...: the Trainer is running (and will tear the strategy down)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
 
     def _check_state(self, state: dict[str, Any]) -> None:
         """A strategy refuses a state its checkpoints cannot hold (before anything is written)."""
@@ -271,23 +282,24 @@ class _SolosaveCheckpointing:
     def teardown(self) -> None:
         """Every rank: wait (bounded) for the save in flight, stop the workers, then raise a
         failed save's error not raised yet (logged instead when ``fit`` already failed)."""
-        p = self._publisher
-        error: BaseException | None = None
         try:
-            if p is not None:
-                p.close(self._options.timeout)
-                try:
-                    self._raise_failure()
-                except SolosaveError as e:
-                    error = e
+            error = self._drain()
         finally:
-            self._publisher = None
-            self._staging = None
             super().teardown()  # type: ignore[misc]
         if error is not None and not self._interrupted:
             raise error
         if error is not None:
             log.error("solosave: a checkpoint save failed while training stopped: %s", error)
+
+    def _drain(self) -> BaseException | None:
+        """Every rank: wait (bounded) for the save in flight, stop the workers; returns the
+        error of a failed save not raised yet."""
+        p, self._publisher, self._staging = self._publisher, None, None
+        if p is None:
+            return None
+        p.close(self._options.timeout)
+        fresh = p.failures[self._raised:]
+        return fresh[-1].error if fresh else None
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()  # type: ignore[misc]

@@ -168,6 +168,13 @@ def fit_job(rank: int, world_size: int, root: str, kind: str, phase: str) -> dic
         out["saves"] = [(d.step, d.result.mode, d.result.collectives(), d.result.collectives("calling_thread"))
                         for d in strat.saves]
         out["checkpointer_closed"] = strat.checkpointer is None
+    if phase == "first" and kind == "mp":  # after fit: the save is finished when the call returns
+        from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
+
+        out["in_save"] = list(out["in_save"])
+        t.save_checkpoint(f"{root}/final.ckpt")
+        out["final"] = (_is_sharded_checkpoint(Path(root) / "final.ckpt"), strat.checkpointer is None,
+                        strat.saves[-1].result.mode)
     torch.save(snaps, f"{root}/{kind}-{phase}-{rank}.pt")
     return out
 

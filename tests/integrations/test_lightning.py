@@ -58,6 +58,8 @@ def test_model_parallel_saves_async_resumes_bit_exactly_and_stock_lightning_load
     assert sorted(os.listdir(ck)) == ["prepared-w2-n1.metadata", "step=6.ckpt", "step=8.ckpt"]  # top 2
     for name in ("step=6.ckpt", "step=8.ckpt"):
         assert (ck / name / ".metadata").is_file() and _is_sharded_checkpoint(ck / name)
+    # trainer.save_checkpoint after fit: published (meta.pt included) when it returns, workers stopped
+    assert all(r["final"] == (True, True, "create") for r in first)
 
     resumed = run_ranks(lf.fit_job, WORLD, root, "mp", "resume", timeout=300)
     check_saves(resumed, [8], "reuse")  # a later job's first save reuses the prepared file
