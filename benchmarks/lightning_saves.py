@@ -43,8 +43,6 @@ WORLD_SIZE = 2
 STRATEGIES = ("lightning", "solosave")
 LABELS = {"lightning": "Lightning ModelParallelStrategy (DCP save)",
           "solosave": "solosave.lightning.ModelParallelStrategy"}
-WATCHED = ("barrier", "broadcast_object_list", "all_reduce", "all_gather_object", "gather_object",
-           "scatter_object_list", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,35 +77,21 @@ class _Probe:
     calls made inside it in the training thread."""
 
     def __init__(self, trainer: Any) -> None:
-        import threading
-        from collections import Counter
-
-        import torch.distributed as dist
+        from solosave._src.testing.dist_calls import DistCalls
 
         self.starts: list[float] = []
         self.saves: list[Json] = []
-        self._count: Counter | None = None
-        main = threading.main_thread()
-        for name in WATCHED:
-            real = getattr(dist, name)
-
-            def counted(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
-                if self._count is not None and threading.current_thread() is main:
-                    self._count[_name] += 1
-                return _real(*a, **k)
-
-            setattr(dist, name, counted)
+        calls = DistCalls()
         real_save = trainer.save_checkpoint
 
         def save_checkpoint(filepath: Any, *a: Any, **k: Any) -> None:
-            self._count = Counter()
             t_wall, t0 = time.time(), time.perf_counter()
-            try:
-                real_save(filepath, *a, **k)
-            finally:
-                self.saves.append({"path": os.fspath(filepath), "step": trainer.global_step, "t_wall": t_wall,
-                                   "in_save_s": time.perf_counter() - t0, "calls": dict(self._count)})
-                self._count = None
+            with calls.counting() as seen:
+                try:
+                    real_save(filepath, *a, **k)
+                finally:
+                    self.saves.append({"path": os.fspath(filepath), "step": trainer.global_step, "t_wall": t_wall,
+                                       "in_save_s": time.perf_counter() - t0, "calls": dict(seen)})
 
         trainer.save_checkpoint = save_checkpoint
 

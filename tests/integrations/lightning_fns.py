@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-WATCHED = ("barrier", "broadcast_object_list", "all_reduce", "all_gather_object", "gather_object",
-           "scatter_object_list", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+from solosave._src.testing.dist_calls import DistCalls
 
 
 def module_class(kind: str) -> type:
@@ -114,31 +111,17 @@ class CountCollectives:
 
     def __init__(self, trainer: Any) -> None:
         self.per_save: list[dict[str, int]] = []
-        self._on = False
-        self._count: Counter = Counter()
-        for name in WATCHED:
-            self._wrap(name)
+        calls = DistCalls()
         real = trainer.save_checkpoint
 
         def save_checkpoint(*args: Any, **kwargs: Any) -> None:
-            self._on, self._count = True, Counter()
-            try:
-                real(*args, **kwargs)
-            finally:
-                self._on = False
-                self.per_save.append(dict(self._count))
+            with calls.counting() as seen:
+                try:
+                    real(*args, **kwargs)
+                finally:
+                    self.per_save.append(dict(seen))
 
         trainer.save_checkpoint = save_checkpoint
-
-    def _wrap(self, name: str) -> None:
-        real = getattr(dist, name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if self._on and threading.current_thread() is threading.main_thread():
-                self._count[name] += 1
-            return real(*args, **kwargs)
-
-        setattr(dist, name, counted)
 
 
 def fit_job(rank: int, world_size: int, root: str, kind: str, phase: str) -> dict:
