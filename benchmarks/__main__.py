@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         report["s3"] = s3_bench.run_s3_bench(s3_cfg, progress)
     if args.only == "lightning":
         lightning_cfg = {"total_mib": args.total_mib, "count": args.count, "saves": args.saves,
-                         "interval": 3, "timeout": args.timeout}
+                         "warmup": min(args.warmup, args.saves - 1), "interval": 3, "timeout": args.timeout}
         report["lightning"] = lightning_bench.run_lightning_bench(lightning_cfg, out, progress)
     progress.finish()
     report["wall_s"] = time.perf_counter() - t0

@@ -11,7 +11,8 @@ save_top_k=2)`` (older checkpoints are deleted, as in a real run):
                first creates the prepared metadata in the checkpoint root, the others reuse it),
                ``meta.pt`` written after publication
 
-Measured on every rank, for the saving steps after the first (the first is reported apart):
+Measured on every rank, for the saves after the first ``warmup`` (default 2: solosave's second
+save waits for its first, which also waited for the workers' start; the first is reported apart):
 
 * ``stall``: how much longer a saving step takes than the median step without a save (the
   interval between two ``on_train_batch_start`` calls, which holds the save of the step before);
@@ -147,7 +148,7 @@ def rank_lightning(rank: int, world_size: int, cfg: Json, which: str) -> Json:
 # ---------------------------------------------------------------------------------------------
 
 def _summary(res: list[Json], cfg: Json, which: str) -> Json:
-    k = cfg["interval"]
+    k, w = cfg["interval"], cfg["warmup"]
     n = len(res[0]["saves"])
     # interval i runs from the start of batch i to the start of batch i + 1: it holds the save
     # that follows step i + 1, which is a saving step when (i + 1) % k == 0
@@ -163,13 +164,13 @@ def _summary(res: list[Json], cfg: Json, which: str) -> Json:
     else:
         published, modes, worker_collectives = in_save, ["dcp"] * n, {}
     meta = res[0]["meta_after_s"]
-    steady_meta = [v for s, v in sorted(meta.items()) if s != k]
+    steady_meta = [v for s, v in sorted(meta.items()) if s > w * k]
     return {"step_ms": base * 1e3, "stall_ms": [s * 1e3 for s in stall], "in_save_ms": [s * 1e3 for s in in_save],
             "published_ms": [p * 1e3 for p in published], "meta_after_ms": {s: v * 1e3 for s, v in meta.items()},
-            "stall_median_ms": statistics.median(stall[1:] or stall) * 1e3,
-            "stall_max_ms": max(stall[1:] or stall) * 1e3,
-            "in_save_median_ms": statistics.median(in_save[1:] or in_save) * 1e3,
-            "published_median_ms": statistics.median(published[1:] or published) * 1e3,
+            "stall_median_ms": statistics.median(stall[w:] or stall) * 1e3,
+            "stall_max_ms": max(stall[w:] or stall) * 1e3,
+            "in_save_median_ms": statistics.median(in_save[w:] or in_save) * 1e3,
+            "published_median_ms": statistics.median(published[w:] or published) * 1e3,
             "meta_median_ms": statistics.median(steady_meta) * 1e3 if steady_meta else None,
             "first": {"stall_ms": stall[0] * 1e3, "published_ms": published[0] * 1e3, "mode": modes[0]},
             "modes": modes, "calls_in_save": res[0]["saves"][-1]["calls"], "worker_collectives": worker_collectives,
@@ -185,7 +186,7 @@ def run_lightning_bench(cfg: Json, out: Path, progress: Any) -> Json:
         progress.step(f"lightning: {which}, W={WORLD_SIZE}, {cfg['total_mib']} MiB of parameters, "
                       f"{cfg['saves']} saves")
         res = run_ranks(rank_lightning, WORLD_SIZE, cfg, which, timeout=cfg["timeout"])
-        strategies[which] = _summary(res, cfg, which)
+        strategies[which] = {**_summary(res, cfg, which), "ranks": res}
     return {"config": cfg, "world_size": WORLD_SIZE, "strategies": strategies}
 
 
@@ -194,7 +195,7 @@ def print_lightning(report: Json) -> None:
     mb = report["strategies"]["solosave"]["checkpoint_bytes_per_rank"] * report["world_size"] / 1e6
     print(f"\n== Lightning fit, W={report['world_size']}: ModelParallelStrategy (FSDP2), {c['total_mib']} MiB of "
           f"parameters in {c['count']} layers + AdamW ({mb:.0f} MB per checkpoint), a save every "
-          f"{c['interval']} steps, {c['saves']} saves (medians after the first; slowest rank) ==")
+          f"{c['interval']} steps, {c['saves']} saves (medians after the first {c['warmup']}; slowest rank) ==")
     print(f"{'strategy':<44}{'step ms':>8}{'stall ms':>10}{'max':>8}{'in save ms':>11}{'published':>10}"
           f"{'meta.pt':>9}{'first stall':>12}{'setup s':>8}")
     for which, e in report["strategies"].items():
