@@ -260,8 +260,8 @@ class _SolosaveCheckpointing:
         module = self.model  # type: ignore[attr-defined]
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # type: ignore[attr-defined]
         optimizers = list(self.optimizers) if fitting else []  # type: ignore[attr-defined]
-        # The optimizers' templates first: making one may initialise the optimizer's state by a
-        # step with zero learning rate, which must not run on the loaded parameters' behalf.
+        # Every template before the one (collective) load. An optimizer's template may create
+        # its state by a step at zero learning rate: made first, that step never sees loaded values.
         state: dict[str, Any] = {f"optimizer_{i}": get_optimizer_state_dict(module, opt)
                                  for i, opt in enumerate(optimizers)}
         state[self._model_key] = get_model_state_dict(module)
