@@ -41,8 +41,8 @@ from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args
-from solosave._src.save.result import SaveResult
 from solosave._src.storage.registry import backend_for, storage_for
+from solosave._src.tools.framework import AUTO, PublishedSave, Publisher
 from solosave._src.tools.retention import Pruner, remove_checkpoint
 
 log = logging.getLogger("solosave")
@@ -50,7 +50,6 @@ log = logging.getLogger("solosave")
 LATEST_FILE = "latest"
 StorageOptions = Mapping[str, Any] | None  # keyword arguments of the fsspec filesystem of a URL
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
-AUTO = "auto"
 PRUNE_WAIT_S = 300.0  # finish(): how long it waits for deletions still running, unless told
 
 
@@ -223,16 +222,6 @@ def checkpointer_from_args(args: argparse.Namespace, process_group: Any = None,
     return AsyncCheckpointer(process_group, options=options)
 
 
-@dataclass(frozen=True, slots=True)
-class PublishedSave:
-    """A save that finished (successfully or not), as :meth:`CheckpointManager.poll` reports it."""
-
-    step: int
-    path: str
-    result: SaveResult | None
-    error: BaseException | None
-
-
 class CheckpointManager:
     """Runs saves into ``<save_dir>/iter_XXXXXXX``, moves ``latest`` and prunes old checkpoints.
 
@@ -243,7 +232,9 @@ class CheckpointManager:
     kept in :attr:`failures`); training goes on, the previous checkpoint stays the newest.
     A step whose directory already holds a published checkpoint raises
     :class:`~solosave.CheckpointExistsError` from :meth:`save` unless ``overwrite``.
-    ``on_done`` is called on every rank with each :class:`PublishedSave`.
+    ``on_done`` is called on every rank with each :class:`PublishedSave`. The saves themselves
+    run through a :class:`~solosave._src.tools.framework.Publisher`, as the Lightning
+    strategies' do.
 
     Retention (:func:`prunable_checkpoints`): ``keep_last`` newest published checkpoints are
     kept, plus, forever, the published ones whose step is a multiple of ``keep_every``. The
@@ -261,19 +252,19 @@ class CheckpointManager:
         if keep_every is not None and keep_every < 1:
             raise ValueError(f"keep_every must be >= 1, got {keep_every}")
         self.save_dir = os.fspath(save_dir)
+        self._publisher = Publisher(checkpointer, on_published=self._on_published, on_done=on_done)
         #: Keyword arguments of the fsspec filesystem of a URL ``save_dir`` (the checkpointer's).
-        self.storage_options = getattr(getattr(checkpointer, "options", None), "storage_options", None)
+        self.storage_options = self._publisher.storage_options
         if remover is remove_checkpoint and self.storage_options:
             remover = functools.partial(remove_checkpoint, storage_options=self.storage_options)
         self.checkpointer = checkpointer
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
-        self.on_done = on_done
         self.overwrite = overwrite
-        self.failures: list[PublishedSave] = []
-        self.done: list[PublishedSave] = []
-        self._pending: tuple[int, SaveHandle] | None = None
+        #: Every finished save, and the failed ones among them (each was logged).
+        self.done: list[PublishedSave] = self._publisher.done
+        self.failures: list[PublishedSave] = self._publisher.failures
         self._published_step: int | None = None  # read by the pruner's thread
         self._pruner = Pruner(lambda: prunable_checkpoints(self.save_dir, self.keep_last, self.keep_every,
                                                            below=self._published_step,
@@ -281,22 +272,19 @@ class CheckpointManager:
 
     @property
     def is_coordinator(self) -> bool:
-        return self.checkpointer.rank == 0
+        return self._publisher.is_coordinator
 
     def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle:
         """Save ``state_dict`` as step ``step``. With ``async_save`` it returns after staging;
         otherwise it waits for publication. A previous save still in flight is finished first."""
-        self._collect(block=True)
-        path = checkpoint_dir(self.save_dir, step)
-        handle = self.checkpointer.save(state_dict, path, overwrite=self.overwrite)
-        self._pending = (step, handle)
+        handle = self._publisher.save(step, state_dict, checkpoint_dir(self.save_dir, step), overwrite=self.overwrite)
         if not self.async_save:
-            self._collect(block=True)
+            self._publisher.collect(block=True)
         return handle
 
     def poll(self) -> list[PublishedSave]:
         """Collect the save in flight if it has finished (non-blocking, no collective)."""
-        return self._collect(block=False)
+        return self._publisher.poll()
 
     def wait_for_pruning(self, timeout: float | None = None) -> bool:
         """Wait until no deletion of old checkpoints is due or running (at once on other ranks);
@@ -308,7 +296,7 @@ class CheckpointManager:
         ``timeout``, else :data:`PRUNE_WAIT_S`; past it they go on in the background, and a
         warning says so), and close the checkpointer."""
         try:
-            return self._collect(block=True, timeout=timeout)
+            return self._publisher.collect(block=True, timeout=timeout)
         finally:
             limit = PRUNE_WAIT_S if timeout is None else timeout
             if not self._pruner.close(limit):
@@ -316,28 +304,12 @@ class CheckpointManager:
                             "background thread (a half-deleted one is never published)", limit)
             self.checkpointer.close()
 
-    def _collect(self, block: bool, timeout: float | None = None) -> list[PublishedSave]:
-        if self._pending is None:
-            return []
-        step, handle = self._pending
-        if not block and not handle.done():
-            return []
-        self._pending = None
-        try:
-            done = PublishedSave(step, handle.path, handle.wait(timeout), None)
-        except SolosaveError as e:
-            done = PublishedSave(step, handle.path, None, e)
-            self.failures.append(done)
-            log.error("solosave: checkpoint of step %d (%s) failed: %s", step, handle.path, e)
-        if done.result is not None and self.is_coordinator and done.result.published:
-            self._mark_latest(done)
-            self._published_step = step
-            if self.keep_last is not None:
-                self._pruner.request()
-        self.done.append(done)
-        if self.on_done is not None:
-            self.on_done(done)
-        return [done]
+    def _on_published(self, done: PublishedSave) -> None:
+        """The coordinator, once ``done`` is published: ``latest`` moves, pruning is asked for."""
+        self._mark_latest(done)
+        self._published_step = done.step
+        if self.keep_last is not None:
+            self._pruner.request()
 
     def _mark_latest(self, done: PublishedSave) -> None:
         """Replace ``latest`` at once (a rename locally, one object write on an object store)."""

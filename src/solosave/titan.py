@@ -38,9 +38,15 @@ and every field can still be overridden from the command line (``--checkpoint.in
   synchronously by stock ``torch.distributed.checkpoint.save`` (a one-off structure must not
   replace the prepared metadata). As with torchtitan's own manager, it is then the newest
   checkpoint: a later job that should resume full state needs an explicit ``load_step``.
-* solosave's own knobs (``prepared_metadata``, ``workers``, ``persistent_worker``,
-  ``on_layout_drift``, ``timeout``, ``checksums``, ``staging_dir``) are the fields of
-  :class:`solosave.CheckpointerOptions`, validated there.
+* ``prepared_metadata`` (default ``"auto"``: ``prepared-w<W>-n<workers>.metadata`` in ``folder``,
+  created by the first save and reused by every later one; a relative path lies in ``folder``;
+  ``None``: no file, the first save of each job is collective) maps onto solosave's
+  ``prepared_metadata``/``create_prepared_metadata``/``assume_constant_structure``.
+* every other field of :class:`solosave.CheckpointerOptions` (``workers``,
+  ``persistent_worker``, ``on_layout_drift``, ``timeout``, ``checksums``, ``staging_dir``,
+  ``stage_replicas``, ...) is a field of the config too, with the same name, default and
+  meaning, derived from ``CheckpointerOptions`` itself (so a new option appears here at once)
+  and validated there.
 
 Not supported (refused by the config): Hugging Face safetensors loads and exports
 (``initial_load_in_hf``, ``last_save_in_hf``) and remote (fsspec) folders; use torchtitan's own
@@ -67,9 +73,17 @@ from solosave._src.core.errors import SolosaveError
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.load.load import load as solosave_load
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
-from solosave._src.save.options import CheckpointerOptions, OptionError
+from solosave._src.save.options import CheckpointerOptions
+from solosave._src.tools.framework import (
+    AUTO,
+    PublishedSave,
+    forwarded_values,
+    framework_options,
+    option_fields,
+    prepared_file,
+)
 
-from .integrations import CheckpointManager, PublishedSave, checkpoint_dir, find_latest_checkpoint
+from .integrations import CheckpointManager, checkpoint_dir, find_latest_checkpoint
 
 try:
     from torchtitan.components.checkpointer import (
@@ -88,10 +102,7 @@ except ImportError as e:  # torchtitan missing, or installed without a dependenc
 
 log = logging.getLogger("solosave")
 
-AUTO = "auto"
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
-#: The fields of the config that are :class:`~solosave.CheckpointerOptions` fields as they are.
-_FORWARDED = ("workers", "persistent_worker", "on_layout_drift", "timeout", "checksums", "staging_dir")
 
 
 class SolosaveCheckpointManager(BaseCheckpointManager):
@@ -104,6 +115,7 @@ class SolosaveCheckpointManager(BaseCheckpointManager):
     """
 
     @dataclass(kw_only=True, slots=True)
+    @option_fields  # + every CheckpointerOptions field but the four mapped here (workers, timeout, ...)
     class Config(BaseCheckpointManager.Config):
         async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "async"
         """'async': training resumes right after staging; 'async_with_pinned_mem': also
@@ -115,25 +127,6 @@ class SolosaveCheckpointManager(BaseCheckpointManager):
         (collectively, once), every later save of this and later jobs reuses it (one 8-byte
         all_reduce). 'auto': prepared-w<world size>-n<workers>.metadata, one per topology.
         None: no file; each job's first save is collective, the later ones reuse it in memory."""
-
-        workers: int = 1
-        """Files (writer threads) per rank."""
-
-        persistent_worker: bool = True
-        """Write in one worker process per rank (False: a background thread of the trainer)."""
-
-        on_layout_drift: Literal["fallback", "raise"] = "fallback"
-        """A save whose layout no longer matches the prepared metadata: 'fallback' saves it
-        collectively and refreshes the file; 'raise' fails it."""
-
-        timeout: float = 600.0
-        """Seconds, the bound of every checkpoint wait (worker start, a save, each collective)."""
-
-        checksums: bool = False
-        """Record a CRC32 of every record, for `solosave verify`."""
-
-        staging_dir: str | None = None
-        """Stage in memory-mapped files there instead of /dev/shm."""
 
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
@@ -308,27 +301,15 @@ class SolosaveCheckpointManager(BaseCheckpointManager):
 def prepared_metadata_path(config: SolosaveCheckpointManager.Config, folder: str, world_size: int) -> str | None:
     """The prepared metadata file that ``config`` names for a run of ``world_size`` ranks
     (``None``: keep it in memory only)."""
-    pm = config.prepared_metadata
-    if pm is None:
-        return None
-    if pm == AUTO:
-        pm = f"prepared-w{world_size}-n{config.workers}.metadata"
-    return pm if os.path.isabs(pm) else os.path.join(folder, pm)
+    return prepared_file(config.prepared_metadata, folder, world_size, config.workers)
 
 
 def checkpointer_options(config: SolosaveCheckpointManager.Config, prepared: str | None) -> CheckpointerOptions:
     """The :class:`~solosave.CheckpointerOptions` of ``config`` with the prepared file ``prepared``
     (``None``: in memory). A bad value raises ``ValueError`` naming the ``checkpoint.`` field."""
-    kw: dict[str, Any] = {name: getattr(config, name) for name in _FORWARDED}
-    kw["overlap_staging"] = config.async_mode == "async_with_pinned_mem"
-    if prepared is None:
-        kw["assume_constant_structure"] = True
-    else:
-        kw.update(prepared_metadata=prepared, create_prepared_metadata=True)
-    try:
-        return CheckpointerOptions(**kw)
-    except OptionError as e:
-        raise ValueError(e.render(lambda name: f"checkpoint.{name}")) from e
+    return framework_options(forwarded_values(config), prepared=prepared,
+                             overlap_staging=config.async_mode == "async_with_pinned_mem",
+                             name_of=lambda name: f"checkpoint.{name}")
 
 
 __all__ = ["AUTO", "SolosaveCheckpointManager", "checkpointer_options", "prepared_metadata_path"]

@@ -5,6 +5,7 @@ and every later save (in this job and the next) reuses it with one 8-byte all_re
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -184,6 +185,21 @@ def test_config_maps_onto_solosave_options(tmp_path):
     assert prepared_metadata_path(none, "/ck", 8) is None
     assert checkpointer_options(none, None).assume_constant_structure
     assert Config(async_mode="ASYNC").async_mode == "async"
+
+
+def test_every_checkpointer_option_reaches_the_checkpointer():
+    """The config declares every CheckpointerOptions field except the four it maps itself
+    (derived from CheckpointerOptions, not copied by hand), and hands each one on."""
+    from solosave import CheckpointerOptions
+    from solosave._src.tools.framework import ADAPTER_SET
+
+    changed = {"workers": 3, "persistent_worker": False, "on_layout_drift": "raise", "timeout": 5.0,
+               "checksums": True, "staging_dir": "/tmp/stage", "stage_replicas": True,
+               "storage_options": {"anon": True}}
+    names = {f.name for f in dataclasses.fields(CheckpointerOptions)} - ADAPTER_SET
+    assert names == set(changed)  # a new option: add a value here; the config has it already
+    o = checkpointer_options(Config(**changed), "/ck/p.md")
+    assert {n: getattr(o, n) for n in names} == changed
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -2,7 +2,7 @@ import solosave
 
 
 def test_all_is_exactly_the_public_api():
-    public = {n for n in dir(solosave) if not n.startswith("_")} - {"cli", "integrations", "demo", "titan"}
+    public = {n for n in dir(solosave) if not n.startswith("_")} - {"cli", "integrations", "demo", "titan", "lightning"}
     assert set(solosave.__all__) - {"__version__"} == public
 
 

@@ -1,1 +1,1 @@
-"""Tools over published checkpoints: verify, export, retention."""
+"""Tools over published checkpoints: verify, export, retention; what framework adapters share."""
