@@ -36,11 +36,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from solosave._src.core.errors import SolosaveError
+from solosave._src.core.errors import OptionError, SolosaveError
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
-from solosave._src.save.options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args
+from solosave._src.save.options import CheckpointerOptions, add_option_flags, option, options_from_args
 from solosave._src.storage.registry import backend_for, storage_for
 from solosave._src.tools.framework import AUTO, PublishedSave, Publisher
 from solosave._src.tools.retention import Pruner, remove_checkpoint

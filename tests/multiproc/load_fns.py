@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import solosave
+from solosave._src.core.errors import IndexUnusable
 
 SHAPES = {"a": ((10, 6), torch.float32), "b": ((4, 7), torch.bfloat16), "c": ((600, 256), torch.float32),
           "d": ((600, 256), torch.float32), "i": ((9, 5), torch.int8)}
@@ -150,7 +151,7 @@ def index_loads(rank: int, ws: int, root: str) -> dict:
     # and loads from it.
     got = _state(ws, LOAD_DIM, {k: torch.zeros_like(v) for k, v in want.items()}, 0)
     calls.clear()
-    refuse = mock.patch.object(sl.LoadIndex, "open", side_effect=sl.IndexUnusable("refused in this test"))
+    refuse = mock.patch.object(sl.LoadIndex, "open", side_effect=IndexUnusable("refused in this test"))
     with mock.patch.object(dist, "all_reduce", count("all_reduce", real_ar)), \
             mock.patch.object(dist, "broadcast_object_list", count("broadcast", real_bc)):
         if rank == ws - 1:

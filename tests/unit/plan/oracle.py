@@ -26,11 +26,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from solosave._src.coordination.protocol import ItemKind, ItemSpec, PackedSpecs, PlanRequest, WriteResult
+from solosave._src.core.errors import PlanValidationError
 from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_VERSION, ItemKey, dtype_from_name, item_key
 from solosave._src.plan.chunks import validate_chunks
 from solosave._src.plan.columns import ChunkTable, ResultColumns
-from solosave._src.plan.layout import PlanValidationError, check_results_cover, shared_size
+from solosave._src.plan.layout import check_results_cover, shared_size
 from solosave._src.prepared.convert import _chunk_sizes, _rows_of, columns_from_rows
 from solosave._src.prepared.sections import VERSION, _template_section, build_prepared, structure_of
 

@@ -4,8 +4,8 @@
 import pytest
 
 from solosave._src.coordination.protocol import ItemKind, ItemSpec
+from solosave._src.core.errors import PlanValidationError
 from solosave._src.plan.chunks import validate_chunks
-from solosave._src.plan.layout import PlanValidationError
 from tests.unit.plan.oracle import build_state_dict_metadata
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from solosave._src.coordination.packing import narrow, pack_specs, written_columns
 from solosave._src.coordination.protocol import ItemKind, ItemSpec, PlanRequest, save_identity
+from solosave._src.core.errors import PlanValidationError
 from solosave._src.plan.global_plan import global_plan
-from solosave._src.plan.layout import PlanValidationError
 from tests.unit.plan.oracle import oracle_plan
 
 

@@ -4,7 +4,8 @@ guard of reuse saves."""
 import pytest
 
 from solosave._src.coordination.protocol import ItemKind, ItemSpec, PlacedItem
-from solosave._src.plan.layout import PlanValidationError, bucket_items, check_layout
+from solosave._src.core.errors import PlanValidationError
+from solosave._src.plan.layout import bucket_items, check_layout
 from tests.unit.plan.oracle import build_metadata, build_state_dict_metadata, finish_metadata
 
 

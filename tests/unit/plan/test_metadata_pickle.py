@@ -16,10 +16,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from solosave._src.core.errors import PlanValidationError
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.formats.safe_pickle import safe_loads
 from solosave._src.plan.columns import ChunkTable
-from solosave._src.plan.layout import PlanValidationError
 from solosave._src.plan.metadata_pickle import metadata_template
 from solosave._src.prepared.buckets import column_buckets, key_bucket
 from solosave._src.prepared.convert import prepared_from_columns
@@ -153,8 +153,8 @@ def test_placed_columns_match_by_held_position_and_refuse_what_does_not_cover_th
     from array import array
 
     from solosave._src.coordination.packing import written_columns
+    from solosave._src.core.errors import PlanValidationError
     from solosave._src.plan.columns import placed_columns
-    from solosave._src.plan.layout import PlanValidationError
 
     sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 2]),
                                       [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 2])),

@@ -32,14 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-class ChannelError(Exception):
-    """A collective failed on this rank: another rank's process or worker died, or did not
-    answer within the timeout. The channel cannot be used any more."""
-
-
-class OutOfStep(Exception):
-    """The ranks' engines are not running the same save (found in a collective's result)."""
+from solosave._src.core.errors import ChannelError
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,16 +238,8 @@ def _is_gloo(group: Any) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-
-
-
-
-
 # ---------------------------------------------------------------------------------------------
 # Setting up the background channel (once per checkpointer, at construction, every rank)
 # ---------------------------------------------------------------------------------------------
-
-
-
 
 

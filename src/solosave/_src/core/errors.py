@@ -19,6 +19,18 @@ from :class:`Exception` (unlike DCP's ``CheckpointException``, ``except Exceptio
 Bad arguments raise plain :class:`ValueError` / :class:`TypeError` with a message that names the
 problem and the fix.
 
+Internal exceptions, raised and handled inside solosave (at the end of this module)::
+
+    OptionError (ValueError)       an option's bad value; the message names options as fields or flags
+    ChannelError                   a collective failed: the channel is broken (the engine's outcome says so)
+    OutOfStep                      the ranks' engines are not running the same save
+    PlanValidationError (ValueError)  the ranks' items do not form a consistent global checkpoint
+    IndexUnusable (SolosaveError)  the load index cannot be used; the load reads .metadata instead
+    └── IndexStale                 the index belongs to another .metadata
+
+(``save/reuse.py``'s ``ReceiptLost``, a ``ChannelError`` that also says whether ``.metadata`` was
+seen published, stays beside the only code that raises and handles it.)
+
 :class:`CheckpointExistsError` is also a ``torch.distributed.checkpoint.api.CheckpointException``,
 so code written for ``dcp.save`` (``except CheckpointException``) catches solosave's refusal to
 save over a checkpoint. That class derives from ``BaseException`` only; ours still derives from
@@ -34,6 +46,7 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -134,3 +147,51 @@ def describe(e: BaseException) -> str:
     tb = traceback.extract_tb(e.__traceback__)
     where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
     return f"{type(e).__name__}: {e}{where}"
+
+
+# -- Internal exceptions: raised and handled inside solosave (an OptionError reaches the user as
+# the ValueError it is) ----------------------------------------------------------------------------
+
+class PlanValidationError(ValueError):
+    """The ranks' items do not form a consistent global checkpoint."""
+
+
+class ChannelError(Exception):
+    """A collective failed on this rank: another rank's process or worker died, or did not
+    answer within the timeout. The channel cannot be used any more."""
+
+
+class OutOfStep(Exception):
+    """The ranks' engines are not running the same save (found in a collective's result)."""
+
+
+class IndexUnusable(SolosaveError):
+    """The index cannot be used for this load (stale, foreign, truncated, corrupt or crafted);
+    the message says why. The loader then reads ``.metadata``, as stock DCP does."""
+
+
+class IndexStale(IndexUnusable):
+    """The index belongs to another ``.metadata`` (another save wrote into the directory since),
+    or the ``.metadata`` is gone: harmless, it is not used."""
+
+
+class OptionError(ValueError):
+    """An option has a bad value. ``template`` names options as ``{field}``: the message shows
+    the field names (the API) or, through :func:`options_from_args`, the flags."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self.render(lambda name: name))
+
+    def render(self, name_of: Any) -> str:
+        """The message with every ``{field}`` replaced by ``name_of(field)``."""
+        return self.template.format_map(_Names(name_of))
+
+
+class _Names(dict):
+    def __init__(self, name_of: Any) -> None:
+        super().__init__()
+        self.name_of = name_of
+
+    def __missing__(self, key: str) -> str:
+        return self.name_of(key)

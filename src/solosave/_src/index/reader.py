@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from solosave._src.core.errors import IndexStale, IndexUnusable
 from solosave._src.formats.dcp import (
     INDEX_FILE,
     METADATA_FILE,
@@ -37,7 +38,7 @@ from solosave._src.formats.dcp import (
 )
 from solosave._src.formats.metadata_check import metadata_problem
 from solosave._src.formats.metadata_template import pickled_str
-from solosave._src.index.writer import CRC, MAGIC, PREFIX, ROW, VERSION, IndexStale, IndexUnusable
+from solosave._src.index.writer import CRC, MAGIC, PREFIX, ROW, VERSION
 from solosave._src.storage.local import pread_all
 
 try:  # torch >= 2.4 moved it; the field set is the same

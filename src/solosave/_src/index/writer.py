@@ -51,7 +51,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from solosave._src.core.errors import SolosaveError
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_VERSION, dtype_name, index_key
 from solosave._src.formats.metadata_template import MetadataTemplate, pickled_str
 from solosave._src.storage.registry import storage_for
@@ -59,7 +58,7 @@ from solosave._src.storage.registry import storage_for
 if TYPE_CHECKING:  # _results imports _sections, which builds indexes: imported where used
     from solosave._src.plan.columns import ChunkTable, ResultColumns
 
-__all__ = ["INDEX_FILE", "IndexStale", "IndexUnusable", "body_from_columns", "body_from_metadata", "render",
+__all__ = ["INDEX_FILE", "body_from_columns", "body_from_metadata", "render",
            "write"]
 
 MAGIC = b"SOLOSAVE-INDEX\n"
@@ -68,16 +67,6 @@ ROW = np.dtype([("file", "<u4"), ("offset", "<u8"), ("length", "<u8")])  # packe
 #: The body's prefix (directory length, directory CRC32) and a row block's trailing CRC32.
 PREFIX = struct.Struct("<QI")
 CRC = struct.Struct("<I")
-
-
-class IndexUnusable(SolosaveError):
-    """The index cannot be used for this load (stale, foreign, truncated, corrupt or crafted);
-    the message says why. The loader then reads ``.metadata``, as stock DCP does."""
-
-
-class IndexStale(IndexUnusable):
-    """The index belongs to another ``.metadata`` (another save wrote into the directory since),
-    or the ``.metadata`` is gone: harmless, it is not used."""
 
 
 # ---------------------------------------------------------------------------------------------

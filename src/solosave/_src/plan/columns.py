@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from solosave._src.coordination.protocol import WrittenColumns
-from solosave._src.plan.layout import PlanValidationError
+from solosave._src.core.errors import PlanValidationError
 
 
 @dataclass(frozen=True)

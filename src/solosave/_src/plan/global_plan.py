@@ -38,11 +38,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from solosave._src.coordination.protocol import ItemKind, PlanRequest
+from solosave._src.core.errors import PlanValidationError
 from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import dtype_from_name
 from solosave._src.plan.chunks import VECTOR_MIN, sweep_chunks, tiles_along_one_dim, validate_chunks
 from solosave._src.plan.columns import ChunkTable, int_column
-from solosave._src.plan.layout import SDM, PlanValidationError, shared_size
+from solosave._src.plan.layout import SDM, shared_size
 
 
 @dataclass(frozen=True)

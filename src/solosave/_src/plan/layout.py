@@ -23,12 +23,6 @@ from solosave._src.formats.dcp import ItemKey, key_name, key_sort
 SDM = dict[str, TensorStorageMetadata | BytesStorageMetadata]
 
 
-class PlanValidationError(ValueError):
-    """The ranks' items do not form a consistent global checkpoint."""
-
-
-
-
 def shared_size(cache: dict[tuple[int, ...], torch.Size], t: tuple[int, ...]) -> torch.Size:
     """One ``torch.Size`` per distinct chunk size (a smaller ``.metadata``, fewer objects)."""
     size = cache.get(t)

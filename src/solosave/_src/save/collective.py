@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from solosave._src.coordination.channel import Channel, OutOfStep
+from solosave._src.coordination.channel import Channel
 from solosave._src.coordination.packing import narrow, pack_specs, written_columns
 from solosave._src.coordination.protocol import (
     EngineSettings,
@@ -45,7 +45,7 @@ from solosave._src.coordination.protocol import (
     WrittenColumns,
 )
 from solosave._src.coordination.status import same_save
-from solosave._src.core.errors import describe
+from solosave._src.core.errors import OutOfStep, describe
 from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import file_name
 from solosave._src.formats.metadata_template import MetadataTemplate

@@ -36,8 +36,9 @@ import time
 import traceback
 from collections import defaultdict
 
-from solosave._src.coordination.channel import Channel, ChannelError, OutOfStep
+from solosave._src.coordination.channel import Channel
 from solosave._src.coordination.protocol import EngineSettings, ErrorKind, JobOutcome, Mode, SaveJob, SaveKind
+from solosave._src.core.errors import ChannelError, OutOfStep
 from solosave._src.prepared.prepared import PreparedMetadata
 from solosave._src.save.collective import MadeTemplate, run_collective
 from solosave._src.save.rank_io import RankIO

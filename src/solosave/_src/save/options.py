@@ -20,6 +20,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from solosave._src.core.errors import OptionError
 from solosave._src.prepared.prepared import PreparedMetadata
 
 DRIFT_POLICIES = ("fallback", "raise")
@@ -49,28 +50,6 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
-
-
-class OptionError(ValueError):
-    """An option has a bad value. ``template`` names options as ``{field}``: the message shows
-    the field names (the API) or, through :func:`options_from_args`, the flags."""
-
-    def __init__(self, template: str) -> None:
-        self.template = template
-        super().__init__(self.render(lambda name: name))
-
-    def render(self, name_of: Any) -> str:
-        """The message with every ``{field}`` replaced by ``name_of(field)``."""
-        return self.template.format_map(_Names(name_of))
-
-
-class _Names(dict):
-    def __init__(self, name_of: Any) -> None:
-        super().__init__()
-        self.name_of = name_of
-
-    def __missing__(self, key: str) -> str:
-        return self.name_of(key)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -32,7 +32,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from solosave._src.coordination.channel import Channel, ChannelError, OutOfStep
+from solosave._src.coordination.channel import Channel
 from solosave._src.coordination.protocol import (
     EngineSettings,
     ErrorKind,
@@ -44,7 +44,7 @@ from solosave._src.coordination.protocol import (
     decode_status,
     encode_status,
 )
-from solosave._src.core.errors import PreparedMetadataError, describe
+from solosave._src.core.errors import ChannelError, OutOfStep, PreparedMetadataError, describe
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.plan.layout import check_layout
 from solosave._src.prepared.prepared import PreparedMetadata

@@ -7,7 +7,8 @@ import threading
 import time
 from typing import Any
 
-from solosave._src.coordination.channel import Channel, ChannelError, CollectiveCounter, dumps
+from solosave._src.coordination.channel import Channel, CollectiveCounter, dumps
+from solosave._src.core.errors import ChannelError
 
 
 class _Hub:

@@ -33,9 +33,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from solosave._src.core.errors import SolosaveError
+from solosave._src.core.errors import OptionError, SolosaveError
 from solosave._src.save.checkpointer import SaveHandle
-from solosave._src.save.options import CheckpointerOptions, OptionError
+from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.result import SaveResult
 from solosave._src.storage.registry import backend_for, scheme_of, storage_for
 
