@@ -10,8 +10,8 @@ listening socket it hands to ``TCPStore`` (``master_listen_fd``). Before 2.8 the
 refuses one (``NotImplementedError`` from the ``TCPStore`` constructor,
 ``torch/csrc/distributed/c10d/TCPStore.cpp``), and the legacy server takes it but aborts the
 process on its first poll ("Unexpected poll revent on the master's listening socket",
-``TCPStoreMasterDaemon::run`` in ``torch/csrc/distributed/c10d/TCPStoreBackend.cpp``; seen with
-torch 2.6.0 and 2.7.1).
+``TCPStoreMasterDaemon::run`` in ``torch/csrc/distributed/c10d/TCPStoreBackend.cpp``, torch 2.6
+and 2.7).
 """
 
 from __future__ import annotations
