@@ -48,10 +48,12 @@ wheel-smoke: $(BIN)/solosave
 device-check:
 	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} timeout 600 $(PY) -u tools/device_check.py $(DEVICE_CHECK_ARGS)
 
-# Core tests on the newest torch on this machine's index and the oldest claimed (CUDA builds of
-# several GB each, run on the CPU; not in CI): tools/torch_versions.sh.
+# Core tests on the oldest torch that pyproject.toml claims, on 2.11 (the lent GPU machine's) and on
+# the newest (CUDA builds of several GB each, run on the CPU; not in CI): tools/torch_versions.sh.
+# TORCH_VERSIONS="2.12.1 2.13.0:python3.12" picks others; TORCH_VENV_PREFIX=/somewhere/torch- uses
+# venvs kept outside the repository (default: .venv-torch-<version> here).
 test-torch-versions:
-	tools/torch_versions.sh
+	tools/torch_versions.sh $(TORCH_VERSIONS)
 
 bench: $(BIN)/solosave
 	$(BIN)/python -m benchmarks --plots docs/img

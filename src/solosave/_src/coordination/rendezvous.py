@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from solosave._src.coordination.channel import CollectiveCall, CollectiveCounter, DistChannel
+from solosave._src.core.compat import check_torch
 
 
 def share_store_address(group: Any, counter: CollectiveCounter, timeout_s: float) -> tuple[Any, tuple[str, int, str]]:
@@ -21,6 +22,7 @@ def share_store_address(group: Any, counter: CollectiveCounter, timeout_s: float
     through one ``broadcast_object_list`` on ``group`` (counted). Returns ``(server_or_None,
     (host, port, prefix))``; the server (the store and its socket) must live as long as the
     workers use it (rank 0 keeps it)."""
+    check_torch()  # on every rank, before the collective: an older torch fails here on all of them
     ch = DistChannel(group, counter)
     store = None
     addr = None
@@ -30,10 +32,7 @@ def share_store_address(group: Any, counter: CollectiveCounter, timeout_s: float
         port = listener.getsockname()[1]
         kw = {"is_master": True, "wait_for_workers": False, "master_listen_fd": listener.fileno(),
               "timeout": datetime.timedelta(seconds=timeout_s)}
-        try:
-            server = dist.TCPStore(host, port, **kw)
-        except NotImplementedError:  # torch < 2.7: libuv's store takes no listen fd; the legacy one does
-            server = dist.TCPStore(host, port, use_libuv=False, **kw)
+        server = dist.TCPStore(host, port, **kw)
         store = (server, listener)  # the server serves on the listener's socket: keep both
         addr = (host, port, f"solosave/{uuid.uuid4().hex}/")
     addr = ch.broadcast_object(addr)

@@ -1,4 +1,4 @@
-"""The DCP on-disk conventions solosave writes and reads (the bottom module: no solosave imports).
+"""The DCP on-disk conventions solosave writes and reads (the bottom of formats: imports only core).
 
 Everything that says what a checkpoint directory looks like lives here, so that the writer, the
 planner, the prepared metadata, the loader and ``solosave verify`` agree by construction:
@@ -26,16 +26,17 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from solosave._src.core.compat import METADATA_HAS_VERSION
 
 #: The published metadata: written last, atomically; its presence makes a checkpoint complete.
 METADATA_FILE = ".metadata"
 #: DCP's on-disk format version written into ``Metadata.version``.
 DCP_VERSION = "1.0.0"
 #: ``Metadata(..., **METADATA_VERSION)``: the version field, where this torch's ``Metadata`` has one
-#: (torch < 2.7 has none).
-METADATA_VERSION: dict[str, str] = (
-    {"version": DCP_VERSION} if "version" in getattr(Metadata, "__dataclass_fields__", {}) else {})
+#: (``solosave._src.core.compat.METADATA_HAS_VERSION``).
+METADATA_VERSION: dict[str, str] = {"version": DCP_VERSION} if METADATA_HAS_VERSION else {}
 #: The load index beside ``.metadata`` (``solosave._src.index.writer``); stock DCP ignores it.
 INDEX_FILE = ".solosave-index"
 DATA_SUFFIX = ".distcp"

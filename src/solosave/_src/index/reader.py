@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -40,11 +41,6 @@ from solosave._src.formats.metadata_check import metadata_problem
 from solosave._src.formats.metadata_template import pickled_str
 from solosave._src.index.writer import CRC, MAGIC, PREFIX, ROW, VERSION
 from solosave._src.storage.local import pread_all
-
-try:  # torch >= 2.4 moved it; the field set is the same
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-except ImportError:  # pragma: no cover
-    from torch.distributed.checkpoint._storage_utils import _StorageInfo  # type: ignore[no-redef]
 
 __all__ = ["IndexStale", "IndexUnusable", "LoadIndex", "wanted_of"]
 
