@@ -148,7 +148,8 @@ def checkpointing(args: argparse.Namespace, state: RankState, reporter: Reporter
         return None
     ckpt = checkpointer_from_args(args, resumed_from=state.resumed_from)
     return CheckpointManager(args.save, ckpt, keep_last=args.keep_last, keep_every=args.keep_every,
-                             async_save=args.async_save, on_done=reporter.save_done)
+                             durable_keep_last=args.durable_keep_last, async_save=args.async_save,
+                             on_done=reporter.save_done)
 
 
 def train_step(args: argparse.Namespace, state: RankState, step: int, position: int) -> float:
