@@ -46,6 +46,8 @@ from typing import Any
 
 from solosave._src.core.errors import SolosaveError
 from solosave._src.formats.dcp import METADATA_FILE
+from solosave._src.load.load import load
+from solosave._src.load.tiers import choose_restore_point
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions, OptionError, add_option_flags, option, options_from_args
@@ -172,6 +174,22 @@ def find_latest_checkpoint(save_dir: str | os.PathLike | None,
     at a removed checkpoint does not hide a newer published one."""
     found = published_checkpoints(save_dir, storage_options) if save_dir else []
     return found[-1] if found else None
+
+
+def find_restore_point(save_dir: str | os.PathLike | None, durable_root: str | os.PathLike | None = None, *,
+                       process_group: Any = None, storage_options: StorageOptions = None) -> tuple[int, str] | None:
+    """The checkpoint to resume from, as ``(step, path)``, or ``None``: the newest step published
+    on either tier, from the fast tier (``save_dir``) when every rank finds it complete there,
+    else from ``durable_root``; every rank gets the same answer. Every rank of
+    ``process_group`` calls it (one 8-byte ``all_reduce`` per step examined, normally one;
+    :mod:`solosave._src.load.tiers`). Without ``durable_root``: :func:`find_latest_checkpoint`
+    (no collective)."""
+    if not durable_root:
+        return find_latest_checkpoint(save_dir, storage_options)
+    fast = dict(published_checkpoints(save_dir, storage_options)) if save_dir else {}
+    durable = dict(published_checkpoints(durable_root, storage_options))
+    candidates = [(step, fast.get(step), durable.get(step)) for step in set(fast) | set(durable)]
+    return choose_restore_point(candidates, process_group, storage_options)
 
 
 def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, keep_every: int | None = None,
@@ -325,6 +343,19 @@ class CheckpointManager:
     def is_coordinator(self) -> bool:
         return self.checkpointer.rank == 0
 
+    def restore(self, state_dict: dict[str, Any], **load_options: Any) -> tuple[int, str] | None:
+        """Load the newest checkpoint into ``state_dict`` (every rank; collective): with two
+        tiers from the fast copy when every rank finds it complete, else from the durable copy
+        (:func:`find_restore_point`). Returns ``(step, path loaded from)``, or ``None`` (nothing
+        to restore; ``state_dict`` untouched). ``load_options``: keywords of ``solosave.load``."""
+        group = getattr(self.checkpointer, "process_group", None)
+        point = find_restore_point(self.save_dir, self.durable_root, process_group=group,
+                                   storage_options=self.storage_options)
+        if point is None:
+            return None
+        load(state_dict, point[1], process_group=group, storage_options=self.storage_options, **load_options)
+        return point
+
     def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle:
         """Save ``state_dict`` as step ``step``. With ``async_save`` it returns after staging;
         otherwise it waits for publication. A previous save still in flight is finished first."""
@@ -447,6 +478,6 @@ def read_latest_marker(save_dir: str | os.PathLike, storage_options: StorageOpti
 
 __all__ = [
     "AUTO", "LATEST_FILE", "CheckpointManager", "DurableSave", "PublishedSave", "add_checkpoint_args",
-    "checkpoint_dir", "checkpointer_from_args", "find_latest_checkpoint", "prepared_for_resume",
+    "checkpoint_dir", "checkpointer_from_args", "find_latest_checkpoint", "find_restore_point", "prepared_for_resume",
     "prunable_checkpoints", "published_checkpoints", "read_latest_marker", "validate_checkpoint_args",
 ]

@@ -57,3 +57,22 @@ def test_worker_killed_mid_copy_leaves_the_fast_copy_and_the_next_copy_succeeds(
              f"the fast copy stays published and loads; no durable .metadata; every rank's copy result "
              f"failed within {max(o['copy_1']['after_s'] for o in out.values())} s; after recreating the "
              "checkpointers the next save's durable copy succeeds and loads", time.monotonic() - t0)
+
+
+def test_every_rank_restores_from_the_same_tier_bit_exactly(tmp_path):
+    out = run_ranks(tier_fns.restore_tiers, 2, str(tmp_path), TIMEOUT, timeout=220)
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    for o in out:
+        assert o["copies"] == [(1, True), (2, True), (3, False)]
+        # the newest step is on the fast tier only: restored from there
+        assert o["whole"] == {"point": (3, f"{fast}/iter_0000003"), "load": f"{fast}/iter_0000003", "exact": True}
+        assert o["whole_2"]["load"] == f"{fast}/iter_0000002" and o["whole_2"]["exact"]
+        # one rank misses its shard on its fast tier: every rank reads the durable copy
+        assert o["one_rank_missing"]["load"] == f"{durable}/iter_0000002" and o["one_rank_missing"]["exact"]
+        assert o["one_rank_missing"]["point"] == (2, f"{durable}/iter_0000002")
+        # step 3 is complete nowhere for every rank: the newest restorable is step 2, from durable
+        assert o["one_rank_missing_3"] == (2, f"{durable}/iter_0000002")
+        assert o["fast_gone"] == {"point": (2, f"{durable}/iter_0000002"), "load": f"{durable}/iter_0000002",
+                                  "exact": True}
+        assert o["manager"] == (2, f"{durable}/iter_0000002")
+    assert out[0] == out[1]

@@ -173,3 +173,56 @@ def killed_mid_copy(rank: int, ws: int, root: str, victim: int, timeout: float) 
     dist.barrier()
     out["durable_2_loads"] = _loads(state(rank, 2), f"{durable}/iter_2")
     return out
+
+
+def restore_tiers(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """Steps 1-3 saved with a durable root (step 3's copy fails); then every rank restores, with
+    the fast tier whole, with one rank's shard missing from its own view of the fast tier (a
+    node-local fast tier: rank 1 looks at a copy of it), and with the fast tier gone. Each load
+    is checked bit for bit; each choice is returned, to compare across ranks."""
+    import shutil
+
+    from solosave.integrations import CheckpointManager, find_restore_point
+
+    _fresh(root)
+    fast, durable = f"{root}/fast", f"{root}/durable"
+    writer = TierWriter(durable, "iter_0000003", 1, "fail")
+    ck = solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, timeout=timeout,
+                                    writer=writer)
+    manager = CheckpointManager(fast, ck)
+    for step in (1, 2, 3):
+        manager.save(step, state(rank, step))
+    manager.finish()
+    out: dict = {"copies": [(d.step, d.result.ok) for d in manager.durable_done]}
+    dist.barrier()
+
+    def restore(fast_dir: str, step: int, label: str) -> None:
+        sd = zeros_like(state(rank, step))
+        out[label] = {"point": find_restore_point(fast_dir, durable), "load": solosave.load(
+            sd, f"{fast_dir}/iter_{step:07d}", durable_root=durable)}
+        out[label]["exact"] = _loads(state(rank, step), out[label]["load"])
+
+    restore(fast, 3, "whole")  # step 3 is on the fast tier only; complete: restored from there
+    restore(fast, 2, "whole_2")
+    # rank 1's own view of the fast tier misses its shard of step 3 and step 2
+    mine = fast if rank == 0 else f"{root}/fast-rank1"
+    if rank == 1:
+        shutil.copytree(fast, mine)
+        for step in (2, 3):
+            os.remove(f"{mine}/iter_{step:07d}/__1_0.distcp")
+    dist.barrier()
+    restore(mine, 2, "one_rank_missing")
+    out["one_rank_missing_3"] = find_restore_point(mine, durable)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(fast)  # the node's fast tier is gone
+    dist.barrier()
+    restore(fast, 2, "fast_gone")
+    got = zeros_like(state(rank, 2))
+    manager2 = CheckpointManager(fast, solosave.AsyncCheckpointer(durable_root=durable, timeout=timeout))
+    try:
+        out["manager"] = manager2.restore(got)
+        assert_equal(state(rank, 2), got)
+    finally:
+        manager2.finish()
+    return out

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import solosave
 from solosave._src.core.errors import SolosaveError
 
-from ..integrations import CheckpointManager, checkpointer_from_args, find_latest_checkpoint
+from ..integrations import CheckpointManager, checkpointer_from_args, find_latest_checkpoint, find_restore_point
 from .data import batch_at, lr_at, make_corpus
 from .model import make_model
 from .report import Reporter
@@ -101,7 +101,10 @@ def state_dict(state: RankState, step: int, position: int) -> dict[str, Any]:
 
 
 def _resume_point(args: argparse.Namespace) -> tuple[int, str] | None:
-    """Rank 0 picks the newest published checkpoint under ``--load``; every rank gets its choice."""
+    """Rank 0 picks the newest published checkpoint under ``--load``; every rank gets its choice.
+    With ``--ckpt-durable-root`` every rank takes part in the choice of the tier instead."""
+    if args.durable_root:
+        return find_restore_point(args.load, args.durable_root, storage_options=args.storage_options)
     choice = [find_latest_checkpoint(args.load, args.storage_options) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]

@@ -5,7 +5,9 @@ rank, alone, before DCP's planner (:func:`solosave.load`).
 and ``save_id``); :meth:`LoadIndex.metadata_for` reads the directory, the geometries of the
 groups of the requested keys and the row blocks of the chunks that overlap the requested boxes,
 and returns a DCP ``Metadata`` of exactly those; :func:`wanted_of` gives the boxes of a
-flattened state dict.
+flattened state dict. Local files are read with ``pread``; an index of any other storage (a
+URL) through the storage's :meth:`~solosave._src.storage.base.Storage.read_range`, one ranged
+read per lookup.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE, METADATA_VERSION, dtype_from_name
 from solosave._src.formats.metadata_template import pickled_str
 from solosave._src.index.writer import CRC, MAGIC, PREFIX, ROW, VERSION, IndexStale, IndexUnusable
+from solosave._src.storage.base import Storage
 from solosave._src.storage.local import pread_all
 
 try:  # torch >= 2.4 moved it; the field set is the same
@@ -52,6 +55,47 @@ def _enum(name: Any, kind: type) -> Any:
     return value
 
 
+class _LocalFile:
+    """A local file read with ``pread`` (``FileNotFoundError`` at once if it is missing)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read(self, offset: int, length: int) -> bytes:
+        return pread_all(self._fd, offset, length)
+
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _StorageFile:
+    """A file of any storage, read by ranges (``FileNotFoundError`` at the first read)."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage, self.path = storage, path
+
+    def read(self, offset: int, length: int) -> bytes:
+        return self.storage.read_range(self.path, offset, length)
+
+    def size(self) -> int:
+        return self.storage.size(self.path)
+
+    def close(self) -> None:
+        pass
+
+
+def _open_file(storage: Storage | None, directory: str, name: str) -> _LocalFile | _StorageFile:
+    if storage is None or storage.local_files:
+        return _LocalFile(os.path.join(directory, name))
+    return _StorageFile(storage, storage.join(directory, name))
+
+
 class LoadIndex:
     """An open ``.solosave-index`` that belongs to the ``.metadata`` beside it.
 
@@ -59,9 +103,9 @@ class LoadIndex:
     and raises :class:`IndexUnusable` when it has one that cannot be used.
     """
 
-    def __init__(self, directory: str, fd: int, header: dict[str, Any], directory_json: dict[str, Any],
-                 blobs_at: int) -> None:
-        self.directory, self._fd, self.header = directory, fd, header
+    def __init__(self, directory: str, f: _LocalFile | _StorageFile, header: dict[str, Any],
+                 directory_json: dict[str, Any], blobs_at: int) -> None:
+        self.directory, self._f, self.header = directory, f, header
         self.files: list[str] = directory_json["files"]
         self.keys: dict[str, list[Any]] = directory_json["keys"]
         self.groups: list[list[int]] = directory_json["groups"]
@@ -74,24 +118,28 @@ class LoadIndex:
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
-    def open(cls, directory: str | os.PathLike) -> LoadIndex | None:
+    def open(cls, directory: str | os.PathLike, storage: Storage | None = None) -> LoadIndex | None:
+        """The index of ``directory``: a local one, or one of ``storage`` (read by ranges)."""
         directory = os.fspath(directory)
-        path = os.path.join(directory, INDEX_FILE)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            f = _open_file(storage, directory, INDEX_FILE)
+            head = f.read(0, _HEAD_READ)
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise IndexUnusable(f"{path}: cannot read it ({e})") from e
+            raise IndexUnusable(f"{directory}: cannot read its load index ({e})") from e
         try:
-            return cls._open(directory, path, fd)
+            return cls._open(directory, f.path, f, head, storage)
+        except OSError as e:
+            f.close()
+            raise IndexUnusable(f"{f.path}: cannot read it ({e})") from e
         except BaseException:
-            os.close(fd)
+            f.close()
             raise
 
     @classmethod
-    def _open(cls, directory: str, path: str, fd: int) -> LoadIndex:
-        head = os.pread(fd, _HEAD_READ, 0)
+    def _open(cls, directory: str, path: str, f: _LocalFile | _StorageFile, head: bytes,
+              storage: Storage | None) -> LoadIndex:
         start = len(MAGIC) + 2
         end = head.find(b"\n", start)
         if not head.startswith(MAGIC + b"%d\n" % VERSION) or end < 0:
@@ -103,27 +151,30 @@ class LoadIndex:
             save_id, save_id_at = str(header["save_id"]), int(header["save_id_at"])
         except (ValueError, KeyError, TypeError) as e:
             raise IndexUnusable(f"{path}: its header is corrupt ({e})") from e
-        if os.fstat(fd).st_size != body + body_length:
+        if f.size() != body + body_length:
             raise IndexUnusable(f"{path}: truncated or extended (not the {body + body_length} bytes its "
                                 "header says)")
-        _check_published(directory, md_length, save_id, save_id_at)
-        prefix = _read_exact(fd, body, PREFIX.size, path)
+        _check_published(directory, md_length, save_id, save_id_at, storage)
+        prefix = head[body:body + PREFIX.size] if body + PREFIX.size <= len(head) else _read_exact(
+            f, body, PREFIX.size, path)
         dir_len, dir_crc = PREFIX.unpack(prefix)
         at = body + PREFIX.size
-        raw = head[at:at + dir_len] if at + dir_len <= len(head) else _read_exact(fd, at, dir_len, path)
+        raw = head[at:at + dir_len] if at + dir_len <= len(head) else _read_exact(f, at, dir_len, path)
         if zlib.crc32(raw) != dir_crc:
             raise IndexUnusable(f"{path}: its directory is corrupt (checksum mismatch)")
         try:
-            self = cls(directory, fd, header, json.loads(raw), at + dir_len)
+            self = cls(directory, f, header, json.loads(raw), at + dir_len)
         except (ValueError, KeyError, TypeError) as e:
             raise IndexUnusable(f"{path}: its directory is corrupt ({e})") from e
         self.bytes_read = len(head) if at + dir_len <= len(head) else len(head) + dir_len
         return self
 
+    @property
+    def path(self) -> str:
+        return self._f.path
+
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._f.close()
 
     def __enter__(self) -> LoadIndex:
         return self
@@ -133,8 +184,7 @@ class LoadIndex:
 
     # -- lookups ---------------------------------------------------------------------------
     def _read(self, offset: int, length: int, what: str) -> bytes:
-        data = _read_exact(self._fd, self._blobs_at + offset, length, os.path.join(self.directory, INDEX_FILE),
-                           what)
+        data = _read_exact(self._f, self._blobs_at + offset, length, self.path, what)
         self.bytes_read += length
         return data
 
@@ -145,11 +195,11 @@ class LoadIndex:
             n, nd, _, off, length, crc, _ = self.groups[g]
             blob = self._read(off, length, f"the geometry of group {g}")
             if zlib.crc32(blob) != crc:
-                raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: the geometry of group {g} is "
+                raise IndexUnusable(f"{self.path}: the geometry of group {g} is "
                                     "corrupt (checksum mismatch)")
             arr = np.frombuffer(zlib.decompress(blob), "<i8")
             if arr.size != 2 * n * nd:
-                raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: the geometry of group {g} "
+                raise IndexUnusable(f"{self.path}: the geometry of group {g} "
                                     "has the wrong size")
             got = self._geometry[g] = (arr[:n * nd].reshape(n, nd), arr[n * nd:].reshape(n, nd))
         return got
@@ -170,7 +220,7 @@ class LoadIndex:
                                 np.uint8).reshape(b - a, block)
             for i in range(b - a):
                 if zlib.crc32(raw[i, :width]) != int(raw[i, width:].view("<u4")[0]):
-                    raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: the rows of chunk {a + i} "
+                    raise IndexUnusable(f"{self.path}: the rows of chunk {a + i} "
                                         f"of group {g} are corrupt (checksum mismatch)")
                 out[a + i] = raw[i, :width].copy().view(ROW)
         return out
@@ -205,7 +255,7 @@ class LoadIndex:
         except IndexUnusable:
             raise
         except (ValueError, KeyError, IndexError, TypeError) as err:
-            raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: corrupt ({err!r})") from err
+            raise IndexUnusable(f"{self.path}: corrupt ({err!r})") from err
         return out
 
     def _chunk_at(self, g: int, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
@@ -261,7 +311,7 @@ class LoadIndex:
         except IndexUnusable:
             raise
         except (ValueError, KeyError, IndexError, TypeError) as err:
-            raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: corrupt ({err!r})") from err
+            raise IndexUnusable(f"{self.path}: corrupt ({err!r})") from err
         planner_data = {k: tuple(self.planner_data[k]) for k in sdm if k in self.planner_data}
         return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
                         **({"version": self.version} if METADATA_VERSION and self.version else {}))
@@ -283,26 +333,26 @@ def _overlapping(offs: np.ndarray, sizes: np.ndarray, boxes: tuple | None) -> np
     return np.flatnonzero(hit)
 
 
-def _check_published(directory: str, md_length: int, save_id: str, save_id_at: int) -> None:
+def _check_published(directory: str, md_length: int, save_id: str, save_id_at: int,
+                     storage: Storage | None = None) -> None:
     """The ``.metadata`` beside the index is the one it was written for."""
-    path = os.path.join(directory, METADATA_FILE)
     want = pickled_str(save_id)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        f = _open_file(storage, directory, METADATA_FILE)
+        try:
+            size = f.size()
+            got = f.read(save_id_at, len(want)) if size == md_length else b""
+        finally:
+            f.close()
     except FileNotFoundError:
         raise IndexStale(f"{directory}: has a load index but no {METADATA_FILE}") from None
-    try:
-        size = os.fstat(fd).st_size
-        got = os.pread(fd, len(want), save_id_at) if size == md_length else b""
-    finally:
-        os.close(fd)
     if got != want:
-        raise IndexStale(f"{os.path.join(directory, INDEX_FILE)} belongs to another {METADATA_FILE} (it was "
-                            "written by another save into this directory)")
+        raise IndexStale(f"the load index of {directory} belongs to another {METADATA_FILE} (it was "
+                         "written by another save into this directory)")
 
 
-def _read_exact(fd: int, offset: int, length: int, path: str, what: str = "the file") -> bytes:
-    data = pread_all(fd, offset, length)
+def _read_exact(f: _LocalFile | _StorageFile, offset: int, length: int, path: str, what: str = "the file") -> bytes:
+    data = f.read(offset, length)
     if len(data) != length:
         raise IndexUnusable(f"{path}: {what} is truncated")
     return data

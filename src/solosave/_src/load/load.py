@@ -48,6 +48,7 @@ from solosave._src.formats.dcp import METADATA_FILE, check_ranges
 from solosave._src.formats.safe_pickle import safe_loads
 from solosave._src.index.reader import IndexUnusable, LoadIndex, wanted_of
 from solosave._src.load.read_path import ReadStats, read_items
+from solosave._src.load.tiers import choose_copy
 from solosave._src.load.whole_reads import WholeRead, keeps_default, planning_the_rest, reads_in_place, whole_reads
 from solosave._src.storage.base import Storage
 from solosave._src.storage.dcp_filesystem import DcpFileSystem
@@ -227,7 +228,8 @@ def _share_metadata(path: str | os.PathLike, process_group: Any,
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: Any = None,
          planner: Any = None, read_metadata_once: bool = True, safe_globals: Sequence[Any] = (),
-         storage_options: Mapping[str, Any] | None = None, use_index: bool = True) -> None:
+         storage_options: Mapping[str, Any] | None = None, use_index: bool = True,
+         durable_root: str | os.PathLike | None = None) -> str:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective over
     ``process_group`` when torch.distributed is initialised; one process otherwise).
 
@@ -260,8 +262,24 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     ``path`` may be a URL (``s3://bucket/run/iter_0000100``; ``pip install 'solosave[s3]'``),
     with ``storage_options`` handed to its fsspec filesystem; its records are read by DCP's read
     path, with the same checks.
+
+    ``durable_root`` (two tiers, ``CheckpointerOptions.durable_root``): ``path`` names the fast
+    copy and ``<durable_root>/<name>`` the durable one; the fast copy is loaded when every rank
+    finds it complete, else the durable one, on every rank (:mod:`solosave._src.load.tiers`: one
+    more 8-byte ``all_reduce``). Returns the path loaded from.
     """
     distributed = dist.is_available() and dist.is_initialized()
+    if durable_root is not None:
+        path = choose_copy(path, durable_root, process_group, storage_options)
+    _load(state_dict, path, process_group, planner, read_metadata_once, safe_globals, storage_options, use_index,
+          distributed)
+    return os.fspath(path)
+
+
+def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: Any, planner: Any,
+          read_metadata_once: bool, safe_globals: Sequence[Any], storage_options: Mapping[str, Any] | None,
+          use_index: bool, distributed: bool) -> None:
+    """:func:`load` from ``path`` (its tier chosen)."""
     storage = storage_for(path, storage_options)
     reader = (SafeFileSystemReader(path) if storage.local_files
               else SafeStorageReader(path, storage_options, storage=storage))  # DCP's read path
