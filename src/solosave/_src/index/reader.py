@@ -43,6 +43,8 @@ except ImportError:  # pragma: no cover
 __all__ = ["IndexStale", "IndexUnusable", "LoadIndex", "wanted_of"]
 
 _HEAD_READ = 64 << 10
+#: The first read of an index or ``.metadata`` on storage that is not local files.
+_STORAGE_HEAD = 1 << 20
 
 #: A request: per flattened key, the boxes ``(offsets, sizes)`` a rank loads (``None``: all of it).
 Wanted = Mapping[str, "Sequence[tuple[Sequence[int], Sequence[int]]] | None"]
@@ -75,19 +77,33 @@ class _LocalFile:
 
 
 class _StorageFile:
-    """A file of any storage, read by ranges (``FileNotFoundError`` at the first read)."""
+    """A file of any storage, read by ranges (``FileNotFoundError`` at the first read). Each
+    request costs a round trip (on an object store, a GET): the first read fetches at least
+    :data:`_STORAGE_HEAD` bytes and later reads inside them are served from memory, so a small
+    index costs one request."""
 
     def __init__(self, storage: Storage, path: str) -> None:
         self.storage, self.path = storage, path
+        self._head = b""
+        self._size: int | None = None
 
     def read(self, offset: int, length: int) -> bytes:
+        if offset + length <= len(self._head):
+            return self._head[offset:offset + length]
+        if offset == 0 and not self._head:
+            self._head = self.storage.read_range(self.path, 0, max(length, _STORAGE_HEAD))
+            if len(self._head) < max(length, _STORAGE_HEAD):  # the whole object: its size is known
+                self._size = len(self._head)
+            return self._head[:length]
         return self.storage.read_range(self.path, offset, length)
 
     def size(self) -> int:
-        return self.storage.size(self.path)
+        if self._size is None:
+            self._size = self.storage.size(self.path)
+        return self._size
 
     def close(self) -> None:
-        pass
+        self._head = b""
 
 
 def _open_file(storage: Storage | None, directory: str, name: str) -> _LocalFile | _StorageFile:
@@ -340,8 +356,11 @@ def _check_published(directory: str, md_length: int, save_id: str, save_id_at: i
     try:
         f = _open_file(storage, directory, METADATA_FILE)
         try:
-            size = f.size()
-            got = f.read(save_id_at, len(want)) if size == md_length else b""
+            if isinstance(f, _StorageFile):  # one request: from the save_id to one byte past the end
+                tail = f.read(save_id_at, md_length + 1 - save_id_at)
+                got = tail[:len(want)] if len(tail) == md_length - save_id_at else b""
+            else:
+                got = f.read(save_id_at, len(want)) if f.size() == md_length else b""
         finally:
             f.close()
     except FileNotFoundError:

@@ -47,6 +47,7 @@ from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_FILE, check_ranges
 from solosave._src.formats.safe_pickle import safe_loads
 from solosave._src.index.reader import IndexUnusable, LoadIndex, wanted_of
+from solosave._src.load.range_read import read_items_by_ranges
 from solosave._src.load.read_path import ReadStats, read_items
 from solosave._src.load.tiers import choose_copy
 from solosave._src.load.whole_reads import WholeRead, keeps_default, planning_the_rest, reads_in_place, whole_reads
@@ -133,10 +134,10 @@ class SafeStorageReader(SafeFileSystemReader):
     """:class:`SafeFileSystemReader` for a storage without
     :attr:`~solosave._src.storage.base.Storage.local_files` (a URL: ``s3://bucket/run/iter_0000100``):
     the same checks, through the backend (``storage_options``: keyword arguments of its client);
-    the records are read by DCP's read path over
+    the records are read with concurrent ranged reads straight into the targets
+    (:mod:`solosave._src.load.range_read`), or, with ``fast_read = False`` or records that need
+    DCP's stream transforms, by DCP's read path over
     :class:`~solosave._src.storage.dcp_filesystem.DcpFileSystem`."""
-
-    fast_read = False
 
     def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None,
                  storage: Storage | None = None) -> None:
@@ -146,19 +147,43 @@ class SafeStorageReader(SafeFileSystemReader):
         self.fs = DcpFileSystem(self.storage)
         self.path = self.fs.init_path(path)
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
+    def read_data(self, plan: Any, planner: Any, whole: Sequence[tuple[WholeRead, Any]] = ()) -> Any:
         needed = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
-        problems = check_ranges(self.path, needed, size_of=self.storage.size)
+        needed.update((MetadataIndex(read.fqn), info) for read, info in whole)
+        problems = check_ranges(self.path, needed, size_of=self._sizes())
         if problems:
             raise CorruptCheckpointError(
                 f"checkpoint {self.path} is damaged: {'; '.join(problems)}. Load an earlier checkpoint; "
                 "`solosave verify` lists every problem.", problems)
-        return FileSystemReader.read_data(self, plan, planner)
+        if not self.fast_read or any(getattr(info, "transform_descriptors", None) for info in needed.values()):
+            if whole:
+                raise AssertionError("internal: whole reads need the fast read path")
+            return FileSystemReader.read_data(self, plan, planner)
+        self.last_read_stats = read_items_by_ranges(self.storage, self.path, plan.items, self.storage_data,
+                                                    planner, whole)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.metadata is None:
             self.metadata = parse_metadata(read_metadata_bytes(self.path, self.storage_options), self.path)
         return super().read_metadata(*args, **kwargs)
+
+    def _sizes(self) -> Any:
+        """``size_of(path)`` of :func:`check_ranges` from one listing of the checkpoint."""
+        try:
+            sizes = self.storage.sizes(self.path)
+        except FileNotFoundError:
+            sizes = {}
+
+        def size_of(path: str) -> int:
+            name = self.storage.basename(path)
+            if name not in sizes:
+                raise FileNotFoundError(path)
+            return sizes[name]
+
+        return size_of
 
 
 def _set_at(root: Any, path: Sequence[Any], value: Any) -> None:
@@ -289,7 +314,7 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: An
     rank = dist.get_rank(process_group) if distributed else 0
     loaded = False
     if use_index and local and storage.load_index and _index_planner(planner):
-        loaded = _via_index(state_dict, path, reader, planner, rank, process_group, distributed)
+        loaded = _via_index(state_dict, path, reader, planner, rank, process_group, distributed, storage)
         if loaded is None:
             return
     error: Exception | None = None
@@ -312,13 +337,13 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: An
 
 
 def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: SafeFileSystemReader, planner: Any,
-               rank: int, process_group: Any, distributed: bool) -> bool | None:
+               rank: int, process_group: Any, distributed: bool, storage: Storage) -> bool | None:
     """Load through this rank's load index, if it has a usable one, then agree: ``None`` when
     the load is complete on every rank; otherwise whether this rank loaded (some rank had no
     usable index: the ``.metadata`` path follows on every rank). Raises the agreed error."""
     error: Exception | None = None
     loaded = False
-    idx = _open_index(path)
+    idx = _open_index(reader.path if not storage.local_files else path, storage)
     if idx is not None:
         try:
             error, loaded = _local(state_dict, reader, planner, rank, idx), True
@@ -363,10 +388,10 @@ def _index_planner(planner: Any) -> bool:
     return keeps_default(planner, "set_up_planner")
 
 
-def _open_index(path: str | os.PathLike) -> LoadIndex | None:
+def _open_index(path: str | os.PathLike, storage: Storage) -> LoadIndex | None:
     """This rank's open load index of ``path``, or ``None`` (none, or unusable: logged)."""
     try:
-        return LoadIndex.open(path)
+        return LoadIndex.open(path, storage)
     except IndexUnusable as e:
         log.warning("solosave.load: not using the load index: %s; reading the whole %s", e, METADATA_FILE)
     except OSError as e:
