@@ -235,6 +235,8 @@ def durable_on_s3(rank: int, world: int, bucket: str, fast: str) -> dict:
         SafeStorageReader.read_data = real
     assert_equal(state(rank, 2), sd)
     out["ranged"] = reader_stats["stats"] is not None and reader_stats["stats"].bytes_read > 0
+    report = solosave.verify_checkpoint(f"{durable}/iter_0000002")
+    out["verify"] = (report.ok, report.index)
     if rank == 0:
         shutil.rmtree(fast)
     dist.barrier()

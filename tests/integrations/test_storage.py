@@ -252,4 +252,5 @@ def test_two_tiers_with_the_durable_tier_on_s3(s3, tmp_path):
         assert r["latest"] == "iter_0000002" and r["fast_left"] == ["iter_0000002", "latest"]
         assert r["objects"] == [".metadata", ".solosave-index", "__0_0.distcp", "__1_0.distcp"]
         assert r["loaded_from"] == f"{durable}/iter_0000002" and r["ranged"]
+        assert r["verify"] == (True, "matches")  # the re-pointed index, read by ranges
         assert r["point"] == (2, f"{durable}/iter_0000002")
