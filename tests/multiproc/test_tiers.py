@@ -28,8 +28,9 @@ def test_copies_follow_publication_and_add_one_all_reduce(tmp_path):
         assert o["checkpoint_id"] == str(tmp_path / "durable" / "iter_2")
 
 
-def test_a_failed_copy_is_reported_on_every_rank_and_the_next_copy_succeeds(tmp_path):
-    out = run_ranks(tier_fns.failed_copy, 2, str(tmp_path), TIMEOUT, timeout=200)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_failed_copy_is_reported_on_every_rank_and_the_next_copy_succeeds(tmp_path, persistent):
+    out = run_ranks(tier_fns.failed_copy, 2, str(tmp_path), TIMEOUT, persistent, timeout=200)
     for o in out:
         assert all(o[s]["published"] for s in range(3))  # the fast tier: every save published
         assert o[0]["ok"] and o[2]["ok"] and not o[1]["ok"]

@@ -121,15 +121,16 @@ def copy_and_count(rank: int, ws: int, root: str, timeout: float) -> dict:
     return out
 
 
-def failed_copy(rank: int, ws: int, root: str, timeout: float) -> dict:
+def failed_copy(rank: int, ws: int, root: str, timeout: float, persistent: bool) -> dict:
     """The durable copy of iter_1 fails on rank 1: reported on every rank, the fast copy stays
-    published and loads, nothing is published on the durable tier; iter_2's copy succeeds."""
+    published and loads, nothing is published on the durable tier; iter_2's copy succeeds.
+    ``persistent``: a worker process per rank, else a thread of the trainer."""
     _fresh(root)
     fast, durable = f"{root}/fast", f"{root}/durable"
     writer = TierWriter(durable, "iter_1", 1, "fail")
     out: dict = {}
     with solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, timeout=timeout,
-                                    writer=writer) as ck:
+                                    writer=writer, persistent_worker=persistent) as ck:
         for step in range(3):
             r = ck.save(state(rank, step), f"{fast}/iter_{step}").wait(timeout)
             d = r.durable.wait(timeout)
