@@ -20,6 +20,7 @@ from . import limits as limits_bench
 from . import load as load_bench
 from . import object_store as s3_bench
 from . import report as rep
+from . import tiers as tiers_bench
 from .progress import Progress
 from .save_modes import MODES, MiB, run_save_bench
 from .scale import run_scale, scale_steps, scale_summary
@@ -29,9 +30,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=(
         "solosave vs torch.distributed.checkpoint: saves on local ranks side by side, physical "
         "limits, and a scale simulation of the coordinator's work up to W=16384."))
-    p.add_argument("--only", choices=("all", "save", "limits", "load", "scale", "s3", "lightning"), default="all",
+    p.add_argument("--only", choices=("all", "save", "limits", "load", "scale", "s3", "lightning", "tiers"),
+                   default="all",
                    help="which part to run (s3: saves to s3:// on a local server; lightning: a Lightning fit with "
-                        "its own strategy and with solosave's; neither is part of all)")
+                        "its own strategy and with solosave's; tiers: a fast tier against s3:// on a local "
+                        "server; none of these three is part of all)")
+    p.add_argument("--tiers-fast-dir", default=None, metavar="DIR",
+                   help="tiers: where the fast tier lives (default /dev/shm, else <out>/fast)")
     p.add_argument("--total-mib", type=int, default=256, help="state size over all ranks (default 256)")
     p.add_argument("--count", type=int, default=64, help="fp32 tensors over all ranks (default 64)")
     p.add_argument("--world-sizes", default=None,
@@ -75,7 +80,8 @@ def _machine() -> dict[str, Any]:
 _PRINTERS = {"save": (rep.print_save, rep.plot_save), "scale": (rep.print_scale, rep.plot_scale),
              "limits": (limits_bench.print_limits, limits_bench.plot_limits),
              "load": (load_bench.print_load, load_bench.plot_load), "s3": (s3_bench.print_s3, s3_bench.plot_s3),
-             "lightning": (lightning_bench.print_lightning, lightning_bench.plot_lightning)}
+             "lightning": (lightning_bench.print_lightning, lightning_bench.plot_lightning),
+             "tiers": (tiers_bench.print_tiers, tiers_bench.plot_tiers)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         steps += len(limits_bench.CASES) * (1 + len(limits_bench.MODES))
     steps += args.only == "s3"
     steps += len(lightning_bench.STRATEGIES) if args.only == "lightning" else 0
+    steps += args.only == "tiers"
     progress = Progress(steps)
     report: dict[str, Any] = {"command": " ".join(["python -m benchmarks"] + (argv if argv is not None else sys.argv[1:])),
                               "machine": _machine()}
@@ -143,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         lightning_cfg = {"total_mib": args.total_mib, "count": args.count, "saves": args.saves,
                          "warmup": min(args.warmup, args.saves - 1), "interval": 3, "timeout": args.timeout}
         report["lightning"] = lightning_bench.run_lightning_bench(lightning_cfg, out, progress)
+    if args.only == "tiers":
+        tiers_cfg = {"per_rank_mib": min(args.total_mib // 2, 64), "tensors": 16, "saves": args.saves // 2 or 1,
+                     "reps": 3 if args.quick else 5, "timeout": args.timeout, "fast_dir": args.tiers_fast_dir}
+        report["tiers"] = tiers_bench.run_tiers_bench(tiers_cfg, out, progress)
     progress.finish()
     report["wall_s"] = time.perf_counter() - t0
     report["machine"]["loadavg_end"] = os.getloadavg()

@@ -2,7 +2,8 @@
 
 Public API (everything else is private and may change)::
 
-    AsyncCheckpointer, CheckpointerOptions, SaveHandle, SaveResult, PhaseTimings, CollectiveCall
+    AsyncCheckpointer, CheckpointerOptions, SaveHandle, SaveResult, PhaseTimings, CollectiveCall,
+    DurableCopy, DurableResult
     load, PreparedMetadata, Fingerprint, load_prepared_metadata, save_prepared_metadata
     FileWriter, verify_checkpoint, VerifyReport, export, ExportReport
     SolosaveError, CheckpointError, LayoutDriftError, WorkerDiedError, CheckpointExistsError,
@@ -33,7 +34,7 @@ from solosave._src.prepared.prepared import (
 )
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions
-from solosave._src.save.result import PhaseTimings, SaveResult
+from solosave._src.save.result import DurableCopy, DurableResult, PhaseTimings, SaveResult
 from solosave._src.save.writer import FileWriter
 from solosave._src.tools.export import ExportReport, export
 from solosave._src.tools.verify import VerifyReport, verify_checkpoint
@@ -47,6 +48,8 @@ __all__ = [
     "CheckpointerOptions",
     "CollectiveCall",
     "CorruptCheckpointError",
+    "DurableCopy",
+    "DurableResult",
     "ExportReport",
     "FileWriter",
     "Fingerprint",

@@ -22,6 +22,14 @@ A checkpoint of step ``s`` lives in ``<save>/iter_{s:07d}``. It counts as *publi
 coordinator (rank 0) move ``<save>/latest`` (atomically) and prune old checkpoints
 (``keep_last``, sparing ``keep_every`` archival ones), on a background thread
 (:mod:`solosave._src.tools.retention`), never the newest published one and never one newer than it.
+
+Two tiers (the checkpointer's ``durable_root``): ``<save>`` is the fast tier and every published
+checkpoint is also copied, in the background, to ``<durable_root>/iter_{s:07d}``. Each tier has
+its own ``latest`` (the durable one moves when a copy is published there) and its own retention:
+the fast tier keeps the ``keep_last`` newest and every checkpoint whose copy is still running;
+the durable tier keeps the ``durable_keep_last`` newest (all by default) and the ``keep_every``
+archival ones. :func:`find_restore_point` (every rank, collective) picks the newest checkpoint
+and the tier to restore it from.
 """
 
 from __future__ import annotations
@@ -32,15 +40,18 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from solosave._src.core.errors import OptionError, SolosaveError
 from solosave._src.formats.dcp import METADATA_FILE
+from solosave._src.load.load import load
+from solosave._src.load.tiers import choose_restore_point
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions, add_option_flags, option, options_from_args
+from solosave._src.save.result import DurableResult
 from solosave._src.storage.registry import backend_for, storage_for
 from solosave._src.tools.framework import AUTO, PublishedSave, Publisher
 from solosave._src.tools.retention import Pruner, remove_checkpoint
@@ -70,7 +81,10 @@ class RunOptions:
         "keep only the N newest published checkpoints (never deletes the newest good one)"))
     keep_every: int | None = option(None, flag="--keep-every", metavar="N", help=(
         "also keep, forever, every published checkpoint whose step is a multiple of N (archival: "
-        "--keep-last never deletes them)"))
+        "--keep-last never deletes them); with --ckpt-durable-root, on the durable tier"))
+    durable_keep_last: int | None = option(None, flag="--durable-keep-last", metavar="N", help=(
+        "with --ckpt-durable-root: keep only the N newest checkpoints on the durable tier (besides "
+        "the --keep-every ones); default: keep every one there"))
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
@@ -83,6 +97,9 @@ class RunOptions:
         if self.keep_every is not None and self.keep_every < 1:
             raise OptionError(f"{{keep_every}} must be >= 1 (steps that are multiples of it are kept), "
                               f"got {self.keep_every}")
+        if self.durable_keep_last is not None and self.durable_keep_last < 1:
+            raise OptionError(f"{{durable_keep_last}} must be >= 1 (the newest durable checkpoint is always "
+                              f"kept), got {self.durable_keep_last}")
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -169,13 +186,31 @@ def find_latest_checkpoint(save_dir: str | os.PathLike | None,
     return found[-1] if found else None
 
 
+def find_restore_point(save_dir: str | os.PathLike | None, durable_root: str | os.PathLike | None = None, *,
+                       process_group: Any = None, storage_options: StorageOptions = None) -> tuple[int, str] | None:
+    """The checkpoint to resume from, as ``(step, path)``, or ``None``: the newest step published
+    on either tier, from the fast tier (``save_dir``) when every rank finds it complete there,
+    else from ``durable_root``; every rank gets the same answer. Every rank of
+    ``process_group`` calls it (one 8-byte ``all_reduce`` per step examined, normally one;
+    :mod:`solosave._src.load.tiers`). Without ``durable_root``: :func:`find_latest_checkpoint`
+    (no collective)."""
+    if not durable_root:
+        return find_latest_checkpoint(save_dir, storage_options)
+    fast = dict(published_checkpoints(save_dir, storage_options)) if save_dir else {}
+    durable = dict(published_checkpoints(durable_root, storage_options))
+    candidates = [(step, fast.get(step), durable.get(step)) for step in set(fast) | set(durable)]
+    return choose_restore_point(candidates, process_group, storage_options)
+
+
 def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, keep_every: int | None = None,
-                         below: int | None = None, storage_options: StorageOptions = None) -> list[str]:
+                         below: int | None = None, storage_options: StorageOptions = None,
+                         spare: Collection[str] = ()) -> list[str]:
     """The checkpoint directories that retention deletes now, oldest first: every one (published
     or partial) older than the newest published one, except the ``keep_last`` newest published
     ones and the published ones whose step is a multiple of ``keep_every``. ``below``: consider
     only steps below it (the manager passes the step it last published, so a save it started
-    since is never touched). Nothing without ``keep_last``."""
+    since is never touched); ``spare``: paths never deleted now (checkpoints whose durable copy
+    still reads them). Nothing without ``keep_last``."""
     published = published_checkpoints(save_dir, storage_options)
     if keep_last is None or not published:
         return []
@@ -185,8 +220,9 @@ def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, kee
     out = []
     for name in _iter_names(save_dir, storage_options):
         step = int(_ITER_RE.match(name).group(1))  # type: ignore[union-attr]
-        if step < limit and step not in keep:
-            out.append((step, backend_for(save_dir).join(save_dir, name)))
+        path = backend_for(save_dir).join(save_dir, name)
+        if step < limit and step not in keep and path not in spare:
+            out.append((step, path))
     return [path for _, path in sorted(out)]
 
 
@@ -222,6 +258,15 @@ def checkpointer_from_args(args: argparse.Namespace, process_group: Any = None,
     return AsyncCheckpointer(process_group, options=options)
 
 
+@dataclass(frozen=True, slots=True)
+class DurableSave:
+    """A durable copy that ended (two tiers): the step, and its ``DurableResult`` (``ok``,
+    ``error``, ``path`` on the durable tier, ...)."""
+
+    step: int
+    result: DurableResult
+
+
 class CheckpointManager:
     """Runs saves into ``<save_dir>/iter_XXXXXXX``, moves ``latest`` and prunes old checkpoints.
 
@@ -241,18 +286,31 @@ class CheckpointManager:
     deletions run on a background thread of the coordinator (they never block :meth:`save` or
     :meth:`poll`); one that fails is logged and skipped. ``remover(path)`` deletes one
     checkpoint directory (default: ``.metadata`` first, then the rest).
+
+    Two tiers (the checkpointer's ``durable_root``; see the module docstring): :meth:`poll` also
+    collects the durable copies that ended (:attr:`durable_done`, failures also in
+    :attr:`durable_failures` and logged; ``on_durable`` is called on every rank with each
+    :class:`DurableSave`); the coordinator moves ``<durable_root>/latest`` after each copy
+    published there and prunes the durable tier (``durable_keep_last``, ``keep_every``) on a
+    second thread; the fast tier keeps the ``keep_last`` newest (``keep_every`` does not apply
+    there) and never deletes a checkpoint whose copy is still running. :meth:`finish` waits for
+    the copies too (bounded).
     """
 
     def __init__(self, save_dir: str | os.PathLike, checkpointer: AsyncCheckpointer, *,
                  keep_last: int | None = None, keep_every: int | None = None, async_save: bool = True,
                  overwrite: bool = False, on_done: Callable[[PublishedSave], None] | None = None,
-                 remover: Callable[[str], None] = remove_checkpoint) -> None:
+                 remover: Callable[[str], None] = remove_checkpoint, durable_keep_last: int | None = None,
+                 on_durable: Callable[[DurableSave], None] | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
             raise ValueError(f"keep_every must be >= 1, got {keep_every}")
+        if durable_keep_last is not None and durable_keep_last < 1:
+            raise ValueError(f"durable_keep_last must be >= 1, got {durable_keep_last}")
         self.save_dir = os.fspath(save_dir)
-        self._publisher = Publisher(checkpointer, on_published=self._on_published, on_done=on_done)
+        self.on_done = on_done
+        self._publisher = Publisher(checkpointer, on_published=self._on_published, on_done=self._on_done)
         #: Keyword arguments of the fsspec filesystem of a URL ``save_dir`` (the checkpointer's).
         self.storage_options = self._publisher.storage_options
         if remover is remove_checkpoint and self.storage_options:
@@ -266,13 +324,41 @@ class CheckpointManager:
         self.done: list[PublishedSave] = self._publisher.done
         self.failures: list[PublishedSave] = self._publisher.failures
         self._published_step: int | None = None  # read by the pruner's thread
-        self._pruner = Pruner(lambda: prunable_checkpoints(self.save_dir, self.keep_last, self.keep_every,
+        #: Two tiers: the durable root (the checkpointer's), the copies not yet ended and the
+        #: fast paths they read (a frozenset, replaced whole: read by the pruner's thread).
+        self.durable_root: str | None = getattr(getattr(checkpointer, "options", None), "durable_root", None)
+        self.durable_keep_last = durable_keep_last
+        self.on_durable = on_durable
+        self.durable_done: list[DurableSave] = []
+        self.durable_failures: list[DurableSave] = []
+        self._copies: list[tuple[int, str, Any]] = []  # (step, fast path, DurableCopy)
+        self._copying: frozenset[str] = frozenset()
+        self._durable_step: int | None = None
+        fast_every = None if self.durable_root else keep_every  # archival copies live on the durable tier
+        self._pruner = Pruner(lambda: prunable_checkpoints(self.save_dir, self.keep_last, fast_every,
                                                            below=self._published_step,
-                                                           storage_options=self.storage_options), remover)
+                                                           storage_options=self.storage_options,
+                                                           spare=self._copying), remover)
+        self._durable_pruner = None if not self.durable_root else Pruner(
+            lambda: prunable_checkpoints(self.durable_root, self.durable_keep_last, self.keep_every,  # type: ignore[arg-type]
+                                         below=self._durable_step, storage_options=self.storage_options), remover)
 
     @property
     def is_coordinator(self) -> bool:
         return self._publisher.is_coordinator
+
+    def restore(self, state_dict: dict[str, Any], **load_options: Any) -> tuple[int, str] | None:
+        """Load the newest checkpoint into ``state_dict`` (every rank; collective): with two
+        tiers from the fast copy when every rank finds it complete, else from the durable copy
+        (:func:`find_restore_point`). Returns ``(step, path loaded from)``, or ``None`` (nothing
+        to restore; ``state_dict`` untouched). ``load_options``: keywords of ``solosave.load``."""
+        group = getattr(self.checkpointer, "process_group", None)
+        point = find_restore_point(self.save_dir, self.durable_root, process_group=group,
+                                   storage_options=self.storage_options)
+        if point is None:
+            return None
+        load(state_dict, point[1], process_group=group, storage_options=self.storage_options, **load_options)
+        return point
 
     def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle:
         """Save ``state_dict`` as step ``step``. With ``async_save`` it returns after staging;
@@ -283,38 +369,100 @@ class CheckpointManager:
         return handle
 
     def poll(self) -> list[PublishedSave]:
-        """Collect the save in flight if it has finished (non-blocking, no collective)."""
-        return self._publisher.poll()
+        """Collect the save in flight if it has finished, and the durable copies that ended
+        (non-blocking, no collective)."""
+        done = self._publisher.poll()
+        self._collect_durable(block=False)
+        return done
 
     def wait_for_pruning(self, timeout: float | None = None) -> bool:
-        """Wait until no deletion of old checkpoints is due or running (at once on other ranks);
-        ``False`` if ``timeout`` ran out first."""
-        return self._pruner.wait(timeout)
+        """Wait until no deletion of old checkpoints is due or running, on either tier (at once on
+        other ranks); ``False`` if ``timeout`` ran out first."""
+        if not self._pruner.wait(timeout):
+            return False
+        return self._durable_pruner is None or self._durable_pruner.wait(timeout)
+
+    def wait_for_copies(self, timeout: float | None = None) -> list[DurableSave]:
+        """Two tiers: wait for every durable copy still running (each at most ``timeout``, default
+        the checkpointer's), and return the ones that ended now."""
+        return self._collect_durable(block=True, timeout=timeout)
 
     def finish(self, timeout: float | None = None) -> list[PublishedSave]:
-        """Wait for the save in flight (bounded), then for the deletions still running (bounded by
-        ``timeout``, else :data:`PRUNE_WAIT_S`; past it they go on in the background, and a
-        warning says so), and close the checkpointer."""
+        """Wait for the save in flight (bounded), for the durable copies still running (bounded),
+        then for the deletions still running (bounded by ``timeout``, else :data:`PRUNE_WAIT_S`;
+        past it they go on in the background, and a warning says so), and close the
+        checkpointer."""
         try:
-            return self._publisher.collect(block=True, timeout=timeout)
+            done = self._publisher.collect(block=True, timeout=timeout)
+            try:
+                self._collect_durable(block=True, timeout=timeout)
+            except SolosaveError as e:  # a copy that did not end in time: close() abandons it
+                log.warning("solosave: %s; the checkpointer's close() abandons it", e)
+            return done
         finally:
             limit = PRUNE_WAIT_S if timeout is None else timeout
-            if not self._pruner.close(limit):
-                log.warning("solosave: old checkpoints still being deleted after %.1f s; left to a "
-                            "background thread (a half-deleted one is never published)", limit)
+            for pruner in (self._pruner, self._durable_pruner):
+                if pruner is not None and not pruner.close(limit):
+                    log.warning("solosave: old checkpoints still being deleted after %.1f s; left to a "
+                                "background thread (a half-deleted one is never published)", limit)
             self.checkpointer.close()
 
     def _on_published(self, done: PublishedSave) -> None:
-        """The coordinator, once ``done`` is published: ``latest`` moves, pruning is asked for."""
-        self._mark_latest(done)
+        """The coordinator, once ``done`` is published: its durable copy (if any) is tracked
+        first (the copy reads the fast checkpoint, which pruning then spares), ``latest`` moves,
+        pruning is asked for."""
+        self._track_copy(done)
+        self._mark_latest(self.save_dir, done.path)
         self._published_step = done.step
         if self.keep_last is not None:
             self._pruner.request()
 
-    def _mark_latest(self, done: PublishedSave) -> None:
-        """Replace ``latest`` at once (a rename locally, one object write on an object store)."""
-        storage = storage_for(self.save_dir, self.storage_options)
-        storage.commit(storage.join(self.save_dir, LATEST_FILE), (storage.basename(done.path) + "\n").encode())
+    def _on_done(self, done: PublishedSave) -> None:
+        """Every rank, for every finished save: its durable copy is tracked, then ``on_done``."""
+        self._track_copy(done)
+        if self.on_done is not None:
+            self.on_done(done)
+
+    def _track_copy(self, done: PublishedSave) -> None:
+        """Track the durable copy of ``done`` (two tiers; idempotent: the coordinator's
+        :meth:`_on_published` and every rank's :meth:`_on_done` both call it)."""
+        copy = getattr(done.result, "durable", None)
+        if copy is None or any(c is copy for _, _, c in self._copies):
+            return
+        self._copies.append((done.step, done.path, copy))
+        self._copying = frozenset(p for _, p, _ in self._copies)
+
+    def _collect_durable(self, block: bool, timeout: float | None = None) -> list[DurableSave]:
+        """The durable copies that ended, in save order (``block``: wait for each, bounded)."""
+        out: list[DurableSave] = []
+        while self._copies:
+            step, _, copy = self._copies[0]
+            if not block and not copy.done():
+                break
+            result = copy.wait(timeout)
+            self._copies.pop(0)
+            self._copying = frozenset(p for _, p, _ in self._copies)
+            ended = DurableSave(step, result)
+            out.append(ended)
+            self.durable_done.append(ended)
+            if not result.ok:
+                self.durable_failures.append(ended)
+                log.error("solosave: checkpoint of step %d stays on the fast tier only: %s", step, result.error)
+            elif self.is_coordinator:
+                self._mark_latest(self.durable_root, result.path)  # type: ignore[arg-type]
+                self._durable_step = step
+                if self._durable_pruner is not None:
+                    self._durable_pruner.request()
+            if self.is_coordinator and self.keep_last is not None:
+                self._pruner.request()  # the fast copy it read may go now
+            if self.on_durable is not None:
+                self.on_durable(ended)
+        return out
+
+    def _mark_latest(self, root: str, path: str) -> None:
+        """Replace ``<root>/latest`` at once (a rename locally, one object write on an object store)."""
+        storage = storage_for(root, self.storage_options)
+        storage.commit(storage.join(root, LATEST_FILE), (storage.basename(path) + "\n").encode())
 
 
 def read_latest_marker(save_dir: str | os.PathLike, storage_options: StorageOptions = None) -> str | None:
@@ -328,7 +476,8 @@ def read_latest_marker(save_dir: str | os.PathLike, storage_options: StorageOpti
 
 
 __all__ = [
-    "AUTO", "LATEST_FILE", "CheckpointManager", "PublishedSave", "add_checkpoint_args", "auto_prepared_path",
-    "checkpoint_dir", "checkpointer_from_args", "find_latest_checkpoint", "prepared_for_resume",
+    "AUTO", "LATEST_FILE", "CheckpointManager", "DurableSave", "PublishedSave", "add_checkpoint_args",
+    "auto_prepared_path", "checkpoint_dir", "checkpointer_from_args", "find_latest_checkpoint",
+    "find_restore_point", "prepared_for_resume",
     "prunable_checkpoints", "published_checkpoints", "read_latest_marker", "validate_checkpoint_args",
 ]

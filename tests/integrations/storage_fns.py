@@ -192,3 +192,53 @@ def _auth(endpoint: str, count: str) -> None:
     req = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=count.encode(), method="POST",
                                  headers={"Content-Type": "text/plain"})
     urllib.request.urlopen(req, timeout=10).close()  # noqa: S310 - the test's own server
+
+
+def durable_on_s3(rank: int, world: int, bucket: str, fast: str) -> dict:
+    """W=2, two tiers: the fast tier a local directory, the durable one s3://bucket/durable; the
+    copies are concurrent multipart uploads (5 MiB parts), published with the load index; a load
+    from the durable tier reads the index by ranges; with the fast tier gone every rank restores
+    from the durable copy."""
+    import shutil
+
+    from solosave._src.load.load import SafeStorageReader
+    from solosave.integrations import CheckpointManager, find_restore_point
+
+    durable = f"s3://{bucket}/durable"
+    writer = FileWriter(part_size=MIN_PART, upload_concurrency=2)
+    ck = solosave.AsyncCheckpointer(writer=writer, assume_constant_structure=True, durable_root=durable, timeout=120)
+    manager = CheckpointManager(fast, ck, keep_last=1)
+    for step in (1, 2):
+        manager.save(step, state(rank, step))
+    manager.finish()
+    out = {"copies": [(d.step, d.result.ok, d.result.error) for d in manager.durable_done],
+           "latest": read_latest_marker(durable), "fast_left": sorted(os.listdir(fast))}
+    dist.barrier()
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    out["objects"] = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{durable}/iter_0000002"))
+    sd = zeros_like(state(rank, 2))
+    reader_stats = {}
+    real = SafeStorageReader.read_data
+
+    def spy(self, plan, planner, whole=()):
+        fut = real(self, plan, planner, whole)
+        reader_stats["stats"] = self.last_read_stats
+        return fut
+
+    SafeStorageReader.read_data = spy
+    try:
+        out["loaded_from"] = solosave.load(sd, f"{durable}/iter_0000002")
+    finally:
+        SafeStorageReader.read_data = real
+    assert_equal(state(rank, 2), sd)
+    out["ranged"] = reader_stats["stats"] is not None and reader_stats["stats"].bytes_read > 0
+    report = solosave.verify_checkpoint(f"{durable}/iter_0000002")
+    out["verify"] = (report.ok, report.index)
+    if rank == 0:
+        shutil.rmtree(fast)
+    dist.barrier()
+    out["point"] = find_restore_point(fast, durable)
+    return out

@@ -255,3 +255,75 @@ def test_keep_every_keeps_archival_checkpoints(tmp_path):
     assert not os.path.exists(it.checkpoint_dir(tmp_path, 8))  # a failed save at a multiple is no archive
     with pytest.raises(ValueError, match="keep_every must be >= 1"):
         it.CheckpointManager(tmp_path, FakeCheckpointer(), keep_last=1, keep_every=0)
+
+
+# -- two tiers -----------------------------------------------------------------------------------
+
+class FakeCopy:
+    """A durable copy that ends when the test says so (``finish``), copying the fast checkpoint."""
+
+    def __init__(self, fast, durable, fail=False):
+        self.fast, self.path, self.fail, self.ended = fast, durable, fail, False
+
+    def finish(self):
+        import shutil
+
+        from solosave._src.save.result import DurableResult
+
+        if not self.fail:
+            shutil.copytree(self.fast, self.path)
+        self.result = DurableResult(self.path, not self.fail, {1: "boom"} if self.fail else {}, 0, 0.0, ())
+        self.ended = True
+
+    def done(self):
+        return self.ended
+
+    def wait(self, timeout=None):
+        if not self.ended:
+            self.finish()
+        return self.result
+
+
+class TieredCheckpointer(FakeCheckpointer):
+    def __init__(self, durable_root, fail_copies=()):
+        super().__init__()
+        self.options = type("Options", (), {"durable_root": str(durable_root), "storage_options": None})()
+        self.fail_copies = set(fail_copies)
+        self.copies = {}
+
+    def save(self, state_dict, path, overwrite=False):
+        handle = super().save(state_dict, path, overwrite)
+        copy = self.copies[state_dict["step"]] = FakeCopy(
+            path, os.path.join(self.options.durable_root, os.path.basename(path)), state_dict["step"] in self.fail_copies)
+        result = FakeResult(True)
+        result.durable = copy
+        handle.wait = lambda timeout=None: result
+        return handle
+
+
+def test_two_tiers_keep_their_own_latest_and_retention(tmp_path):
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    ck = TieredCheckpointer(durable, fail_copies={5})
+    ended = []
+    m = it.CheckpointManager(fast, ck, keep_last=1, keep_every=3, durable_keep_last=2, on_durable=ended.append)
+    for step in (1, 2, 3, 4):
+        m.save(step, {"step": step})
+        m.poll()
+    assert m.wait_for_pruning(30)
+    # no copy ended yet: the fast tier keeps every checkpoint a copy still reads
+    assert published_steps(fast) == [1, 2, 3, 4] and published_steps(durable) == []
+    for step in (1, 2, 3):
+        ck.copies[step].finish()
+    m.poll()
+    assert m.wait_for_pruning(30)
+    assert [d.step for d in ended] == [1, 2, 3] and it.read_latest_marker(durable) == "iter_0000003"
+    assert published_steps(fast) == [4]  # keep_last=1; keep_every applies to the durable tier only
+    assert published_steps(durable) == [2, 3]  # durable_keep_last=2, 3 also archival
+    m.save(5, {"step": 5})  # its copy fails: the fast copy stays the newest, durable latest stays
+    m.save(6, {"step": 6})
+    m.finish()
+    assert [d.step for d in m.durable_failures] == [5] and "rank(s) [1]" in m.durable_failures[0].result.error
+    assert it.read_latest_marker(fast) == "iter_0000006" and it.read_latest_marker(durable) == "iter_0000006"
+    assert published_steps(durable) == [3, 4, 6] and published_steps(fast) == [6]
+    with pytest.raises(ValueError, match="durable_keep_last must be >= 1"):
+        it.CheckpointManager(fast, ck, durable_keep_last=0)

@@ -240,3 +240,17 @@ def test_train_saves_to_and_resumes_from_a_url(s3):
     fs.invalidate_cache()
     assert fs.cat_file(f"s3://{bucket}/ckpt/latest").strip() == b"iter_0000012"
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"s3://{bucket}/ckpt")) == ["iter_0000012", "latest"]
+
+
+@pytest.mark.timeout(200)
+def test_two_tiers_with_the_durable_tier_on_s3(s3, tmp_path):
+    bucket = _bucket(s3)
+    out = run_ranks(storage_fns.durable_on_s3, 2, bucket, str(tmp_path / "fast"), env=s3[1], timeout=180)
+    durable = f"s3://{bucket}/durable"
+    for r in out:
+        assert r["copies"] == [(1, True, None), (2, True, None)]
+        assert r["latest"] == "iter_0000002" and r["fast_left"] == ["iter_0000002", "latest"]
+        assert r["objects"] == [".metadata", ".solosave-index", "__0_0.distcp", "__1_0.distcp"]
+        assert r["loaded_from"] == f"{durable}/iter_0000002" and r["ranged"]
+        assert r["verify"] == (True, "matches")  # the re-pointed index, read by ranges
+        assert r["point"] == (2, f"{durable}/iter_0000002")

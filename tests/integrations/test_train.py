@@ -279,3 +279,27 @@ def test_exit_signal_handler_saves_and_exits_cleanly(tmp_path):
     assert len(saves) == 1 and saves[0]["ok"], out
     assert "exit signal received: saved step" in out and "verified" in out
     assert (tmp_path / "ck" / f"iter_{saves[0]['step']:07d}" / ".metadata").exists()
+
+
+@pytest.mark.slow  # 34 s here; run by make test-slow (in CI)
+def test_two_tiers_train_then_resume_from_the_durable_copy(tmp_path):
+    """`--ckpt-durable-root`: every save is copied to the durable root; with the fast tier gone,
+    `--load` resumes from the durable copy, bit for bit."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    r = train("--steps", 8, "--save", fast, "--save-interval", 4, "--async-save", "--use-persistent-ckpt-worker",
+              "--ckpt-assume-constant-structure", "--ckpt-durable-root", durable, "--keep-last", 1,
+              "--json-log", tmp_path / "a.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(os.listdir(fast)) == ["iter_0000008", "latest"]  # keep-last on the fast tier
+    assert sorted(os.listdir(durable)) == ["iter_0000004", "iter_0000008", "latest"]
+    assert (durable / "latest").read_text().strip() == "iter_0000008"
+    shutil.rmtree(fast)  # the node's fast tier is lost
+    shutil.rmtree(durable / "iter_0000008")  # and step 8's copy: step 4 is the newest restorable
+    r = train("--steps", 8, "--load", fast, "--save", tmp_path / "b", "--save-interval", 4, "--async-save",
+              "--use-persistent-ckpt-worker", "--ckpt-durable-root", durable, "--json-log", tmp_path / "b.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resumed from {durable / 'iter_0000004'} (step 4)" in r.stdout
+    original = {s["step"]: s["loss"] for s in records(tmp_path / "a.jsonl", "step")}
+    resumed = {s["step"]: s["loss"] for s in records(tmp_path / "b.jsonl", "step")}
+    assert sorted(resumed) == [5, 6, 7, 8] and all(resumed[k] == original[k] for k in resumed)
+    assert (durable / "latest").read_text().strip() == "iter_0000008"  # the resumed job's copy

@@ -37,7 +37,7 @@ import solosave
 from solosave._src.core.errors import SolosaveError
 from solosave._src.plan.local_plan import flatten_state_dict
 
-from ..integrations import CheckpointManager, checkpointer_from_args, find_latest_checkpoint
+from ..integrations import CheckpointManager, checkpointer_from_args, find_latest_checkpoint, find_restore_point
 from .data import batch_at, lr_at, make_corpus
 from .model import make_model
 from .report import Reporter
@@ -103,7 +103,10 @@ def state_dict(state: RankState, step: int, position: int) -> dict[str, Any]:
 
 
 def _resume_point(args: argparse.Namespace) -> tuple[int, str] | None:
-    """Rank 0 picks the newest published checkpoint under ``--load``; every rank gets its choice."""
+    """Rank 0 picks the newest published checkpoint under ``--load``; every rank gets its choice.
+    With ``--ckpt-durable-root`` every rank takes part in the choice of the tier instead."""
+    if args.durable_root:
+        return find_restore_point(args.load, args.durable_root, storage_options=args.storage_options)
     choice = [find_latest_checkpoint(args.load, args.storage_options) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
@@ -181,7 +184,8 @@ def checkpointing(args: argparse.Namespace, state: RankState, reporter: Reporter
                              "directory") from None
     ckpt = checkpointer_from_args(args, resumed_from=state.resumed_from)
     return CheckpointManager(args.save, ckpt, keep_last=args.keep_last, keep_every=args.keep_every,
-                             async_save=args.async_save, on_done=reporter.save_done)
+                             durable_keep_last=args.durable_keep_last, async_save=args.async_save,
+                             on_done=reporter.save_done)
 
 
 def train_step(args: argparse.Namespace, state: RankState, step: int, position: int) -> float:

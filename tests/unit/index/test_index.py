@@ -16,9 +16,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from solosave._src.core.errors import IndexUnusable
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.formats.metadata_template import MetadataTemplate
-from solosave._src.index.reader import IndexUnusable, LoadIndex, wanted_of
+from solosave._src.index.reader import LoadIndex, wanted_of
 from tests.support import dcp_save_local, publish_with_index, run_ranks
 
 try:

@@ -46,7 +46,7 @@ def test_the_scheme_picks_the_backend():
     assert backend_for("s3:/bucket/run") is LocalStorage  # a URL pathlib mangled is a local path (refused on save)
     assert backend_for("s3://b/x") is FsspecStorage and backend_for("MEMORY://x") is FsspecStorage
     assert LocalStorage.local_files and LocalStorage.load_index
-    assert not FsspecStorage.local_files and not FsspecStorage.load_index
+    assert not FsspecStorage.local_files and FsspecStorage.load_index  # the index is read by ranges there
 
 
 def test_a_registered_scheme_wins_over_the_url_fallback_and_an_unserved_one_is_named():
@@ -120,7 +120,7 @@ def test_a_registered_backend_serves_saves_loads_prepared_files_and_retention(di
     names = sorted(k.rsplit("/", 1)[1] for k in objects)
     assert names == [METADATA_FILE, "__0_0.distcp", "__0_0.distcp.crc32"]  # no load index: it could not be read
     got = {"w": torch.zeros(3, 4), "step": 0, "name": ""}
-    solosave.load(got, "dict://bucket/ck/", storage_options=opts)  # DCP's read path over the backend
+    solosave.load(got, "dict://bucket/ck/", storage_options=opts)  # ranged reads through the backend
     assert torch.equal(got["w"], sd["w"]) and got["step"] == 7 and got["name"] == "run"
     report = solosave.verify_checkpoint("dict://bucket/ck", storage_options=opts)
     assert report.ok and report.checksums == "verified" and report.index is None

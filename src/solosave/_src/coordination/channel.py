@@ -114,8 +114,10 @@ class Channel:
         raise NotImplementedError
 
     # -- publication receipts (reuse saves; not collectives: one store key per save) -----------
-    def post_receipt(self, seq: int, error: str | None) -> None:
-        """Coordinator: save ``seq`` was published (``error`` None) or its publication failed."""
+    def post_receipt(self, seq: int, error: str | None, previous: int | None = None) -> None:
+        """Coordinator: save ``seq`` was published (``error`` None) or its publication failed.
+        ``previous``: the last receipt posted before (default ``seq - 1``), which every rank has
+        read by now and is removed."""
         raise NotImplementedError
 
     def wait_receipt(self, seq: int, timeout: float) -> str | None:
@@ -208,11 +210,12 @@ class DistChannel(Channel):
         """Whether ``flag`` holds on every rank (:meth:`all_and` of one bit)."""
         return self.all_and(int(bool(flag))) == 1
 
-    def post_receipt(self, seq: int, error: str | None) -> None:
+    def post_receipt(self, seq: int, error: str | None, previous: int | None = None) -> None:
         store = self._need_store()
         self._run("store.set", lambda: store.set(_receipt_key(seq), _encode_receipt(error)))
-        if seq > 1:  # every rank has read the previous receipt: it met us in this save's all_reduce
-            self._run("store.delete_key", lambda: store.delete_key(_receipt_key(seq - 1)))
+        last = seq - 1 if previous is None else previous
+        if last >= 1:  # every rank has read the previous receipt: it met us in this save's all_reduce
+            self._run("store.delete_key", lambda: store.delete_key(_receipt_key(last)))
 
     def wait_receipt(self, seq: int, timeout: float) -> str | None:
         store = self._need_store()

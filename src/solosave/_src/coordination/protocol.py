@@ -9,7 +9,7 @@ Trainer <-> worker, over the pipe (see ``save/worker.py``)::
 
     WorkerSetup                      once, first message: the channel and per-checkpointer settings
     SaveJob ...                      one per save; ``None`` stops the worker
-    WorkerMessage(READY | OUTCOME(JobOutcome) | FATAL(text))
+    WorkerMessage(READY | OUTCOME(JobOutcome) | DURABLE(DurableOutcome) | FATAL(text))
 
 Rank <-> rank, over the channel (``dist/channel.py``), in the order the engine sends them:
 
@@ -18,6 +18,8 @@ Rank <-> rank, over the channel (``dist/channel.py``), in the order the engine s
     reuse path:       all_reduce of one int64 status word (:func:`encode_status`); on failure
                       all_gather of each rank's error (``str | None``), on drift with "raise"
                       all_gather of each rank's drifts (``list[str]``)
+    durable copy:     (two tiers, on the durable channel) all_reduce of one int64 status word;
+                      on failure all_gather of each rank's error (``str | None``)
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class Verdict(str, enum.Enum):
 class WorkerEvent(str, enum.Enum):
     READY = "ready"
     OUTCOME = "outcome"
+    DURABLE = "durable"  #: a durable copy ended (two tiers); sent from the worker's copier thread
     FATAL = "fatal"
 
 
@@ -195,6 +198,8 @@ class EngineSettings:
     prepared_path: str | None = None
     #: Keyword arguments of the fsspec filesystem of URL destinations (``CheckpointerOptions``).
     storage_options: dict | None = None
+    #: Two tiers: the root that every published save is copied under (``CheckpointerOptions``).
+    durable_root: str | None = None
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,10 @@ class SaveJob:
     #: in the protocol as a failure with this message, so every rank learns it at once.
     abort: str | None = None
     submitted_at: float = 0.0
+    #: Two tiers: where this save is copied once it is published (``<durable_root>/<name>``).
+    durable: str | None = None
+    #: ``save(..., overwrite=True)``: the durable copy may replace a published one too.
+    overwrite: bool = False
 
     @property
     def identity(self) -> SaveIdentity:
@@ -303,11 +312,31 @@ class JobOutcome:
     published: bool | None = False
     warnings: tuple[str, ...] = ()
     finished_at: float = 0.0
+    #: Two tiers: the durable directory this save's copy was queued for (``None``: no copy);
+    #: its :class:`DurableOutcome` follows later, with the same ``seq``.
+    durable: str | None = None
+
+
+@dataclass(frozen=True)
+class DurableOutcome:
+    """How one save's durable copy ended (identical ``ok``/``failures`` on every rank)."""
+
+    seq: int
+    ok: bool
+    path: str
+    #: Per failing rank, what went wrong (empty when ``ok``).
+    failures: dict[int, str] = field(default_factory=dict)
+    #: Bytes this rank copied (its data files; on the coordinator also the index and .metadata).
+    bytes_copied: int = 0
+    collectives: tuple[Any, ...] = ()  # CollectiveCall, on the durable channel
+    #: ``time.time()`` when the copy started (after the fast publication) and when it ended.
+    started_at: float = 0.0
+    finished_at: float = 0.0
 
 
 class WorkerMessage(NamedTuple):
     event: WorkerEvent
-    payload: Any = None  # JobOutcome (OUTCOME), pid (READY) or text (FATAL)
+    payload: Any = None  # JobOutcome (OUTCOME), DurableOutcome (DURABLE), pid (READY) or text (FATAL)
 
 
 class BufferHandoff(NamedTuple):

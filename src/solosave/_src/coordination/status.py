@@ -60,25 +60,37 @@ def save_identity(seq: int, directory: str | None) -> SaveIdentity:
 
 
 def encode_status(status: Status, ident: SaveIdentity) -> int:
+    return encode_flags(_STATUS_CODE[status], ident)
+
+
+def decode_status(word: int, ident: SaveIdentity) -> Status | None:
+    """The agreed status, or ``None`` if the ranks were not all running save ``ident``."""
+    code = decode_flags(word, ident)
+    return None if code is None else _CODE_STATUS.get(code)
+
+
+def encode_flags(flags: int, ident: SaveIdentity) -> int:
+    """The same word with two independent flags (bits 0-1) instead of a status: after the AND,
+    each flag holds on every rank or is 0 (two tiers: which copy every rank finds complete)."""
     seq_part = ident.seq_bits | ((~ident.seq_bits & _HALF_MASK) << _ID_BITS)
     if ident.dir_bits is None:
         dir_part = (_HALF_MASK << _HALF) | (_HALF_MASK << (_ID_BITS + _HALF))
     else:
         dir_part = (ident.dir_bits << _HALF) | ((~ident.dir_bits & _HALF_MASK) << (_ID_BITS + _HALF))
-    return _STATUS_CODE[status] | (seq_part << 2) | (dir_part << 2)
+    return (flags & 0b11) | (seq_part << 2) | (dir_part << 2)
 
 
-def decode_status(word: int, ident: SaveIdentity) -> Status | None:
-    """The agreed status, or ``None`` if the ranks were not all running save ``ident``."""
+def decode_flags(word: int, ident: SaveIdentity) -> int | None:
+    """The agreed flags, or ``None`` if the ranks did not all contribute a word of ``ident``."""
     code = word & 0b11
     ids = (word >> 2) & _ID_MASK
     comp = (word >> (2 + _ID_BITS)) & _ID_MASK
     seq, seq_c = ids & _HALF_MASK, comp & _HALF_MASK
     d, d_c = ids >> _HALF, comp >> _HALF
-    if seq != ident.seq_bits or seq_c != (~ident.seq_bits & _HALF_MASK) or code not in _CODE_STATUS:
+    if seq != ident.seq_bits or seq_c != (~ident.seq_bits & _HALF_MASK):
         return None
     if ident.dir_bits is not None:
         ok = d == ident.dir_bits and d_c == (~ident.dir_bits & _HALF_MASK)
     else:  # a wildcard: every rank a wildcard, or the others agree among themselves
         ok = (d == d_c == _HALF_MASK) or (d_c == (~d & _HALF_MASK))
-    return _CODE_STATUS[code] if ok else None
+    return code if ok else None

@@ -16,6 +16,18 @@ def pickled_str(s: str) -> bytes:
     return b"X" + struct.pack("<I", len(b)) + b
 
 
+def replace_checkpoint_id(data: bytes, old: str, new: str) -> bytes | None:
+    """A rendered ``.metadata`` (``data``, from :meth:`MetadataTemplate.render`) whose
+    ``storage_meta.checkpoint_id`` ``old`` becomes ``new``, everything else byte for byte the
+    same (the copy of a checkpoint in another place). ``None`` when ``old`` is not found exactly
+    once in the pickle (not a rendering of that id: the caller keeps the bytes as they are)."""
+    a = pickled_str(str(old))
+    if data.count(a) != 1:
+        return None
+    i = data.index(a)
+    return b"".join((data[:i], pickled_str(str(new)), data[i + len(a):]))
+
+
 class MetadataTemplate:
     """A ``Metadata`` pickled once, with placeholders for the per-checkpoint ``storage_meta``.
 

@@ -5,7 +5,9 @@ rank, alone, before DCP's planner (:func:`solosave.load`).
 and ``save_id``); :meth:`LoadIndex.metadata_for` reads the directory, the geometries of the
 groups of the requested keys and the row blocks of the chunks that overlap the requested boxes,
 and returns a DCP ``Metadata`` of exactly those; :func:`wanted_of` gives the boxes of a
-flattened state dict.
+flattened state dict. Local files are read with ``pread``; an index of any other storage (a
+URL) through the storage's :meth:`~solosave._src.storage.base.Storage.read_range`, one ranged
+read per lookup.
 """
 
 from __future__ import annotations
@@ -40,11 +42,14 @@ from solosave._src.formats.dcp import (
 from solosave._src.formats.metadata_check import metadata_problem
 from solosave._src.formats.metadata_template import pickled_str
 from solosave._src.index.writer import CRC, MAGIC, PREFIX, ROW, VERSION
+from solosave._src.storage.base import Storage
 from solosave._src.storage.local import pread_all
 
-__all__ = ["IndexStale", "IndexUnusable", "LoadIndex", "wanted_of"]
+__all__ = ["LoadIndex", "wanted_of"]
 
 _HEAD_READ = 64 << 10
+#: The first read of an index or ``.metadata`` on storage that is not local files.
+_STORAGE_HEAD = 1 << 20
 
 #: A request: per flattened key, the boxes ``(offsets, sizes)`` a rank loads (``None``: all of it).
 Wanted = Mapping[str, "Sequence[tuple[Sequence[int], Sequence[int]]] | None"]
@@ -57,6 +62,61 @@ def _enum(name: Any, kind: type) -> Any:
     return value
 
 
+class _LocalFile:
+    """A local file read with ``pread`` (``FileNotFoundError`` at once if it is missing)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read(self, offset: int, length: int) -> bytes:
+        return pread_all(self._fd, offset, length)
+
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _StorageFile:
+    """A file of any storage, read by ranges (``FileNotFoundError`` at the first read). Each
+    request costs a round trip (on an object store, a GET): the first read fetches at least
+    :data:`_STORAGE_HEAD` bytes and later reads inside them are served from memory, so a small
+    index costs one request."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage, self.path = storage, path
+        self._head = b""
+        self._size: int | None = None
+
+    def read(self, offset: int, length: int) -> bytes:
+        if offset + length <= len(self._head):
+            return self._head[offset:offset + length]
+        if offset == 0 and not self._head:
+            self._head = self.storage.read_range(self.path, 0, max(length, _STORAGE_HEAD))
+            if len(self._head) < max(length, _STORAGE_HEAD):  # the whole object: its size is known
+                self._size = len(self._head)
+            return self._head[:length]
+        return self.storage.read_range(self.path, offset, length)
+
+    def size(self) -> int:
+        if self._size is None:
+            self._size = self.storage.size(self.path)
+        return self._size
+
+    def close(self) -> None:
+        self._head = b""
+
+
+def _open_file(storage: Storage | None, directory: str, name: str) -> _LocalFile | _StorageFile:
+    if storage is None or storage.local_files:
+        return _LocalFile(os.path.join(directory, name))
+    return _StorageFile(storage, storage.join(directory, name))
+
+
 class LoadIndex:
     """An open ``.solosave-index`` that belongs to the ``.metadata`` beside it.
 
@@ -64,9 +124,9 @@ class LoadIndex:
     and raises :class:`IndexUnusable` when it has one that cannot be used.
     """
 
-    def __init__(self, directory: str, fd: int, header: dict[str, Any], directory_json: dict[str, Any],
-                 blobs_at: int, size: int) -> None:
-        self.directory, self._fd, self.header = directory, fd, header
+    def __init__(self, directory: str, f: _LocalFile | _StorageFile, header: dict[str, Any],
+                 directory_json: dict[str, Any], blobs_at: int, size: int) -> None:
+        self.directory, self._f, self.header = directory, f, header
         self.files: list[str] = directory_json["files"]
         self.keys: dict[str, list[Any]] = directory_json["keys"]
         self.groups: list[list[int]] = directory_json["groups"]
@@ -85,27 +145,33 @@ class LoadIndex:
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
-    def open(cls, directory: str | os.PathLike) -> LoadIndex | None:
+    def open(cls, directory: str | os.PathLike, storage: Storage | None = None) -> LoadIndex | None:
+        """The index of ``directory``: a local one, or one of ``storage`` (read by ranges)."""
         directory = os.fspath(directory)
-        path = os.path.join(directory, INDEX_FILE)
-        why = local_file_problem(directory, path)
-        if why is not None:
-            raise IndexUnusable(f"{path}: {why}")
+        if storage is None or storage.local_files:
+            path = os.path.join(directory, INDEX_FILE)
+            why = local_file_problem(directory, path)
+            if why is not None:
+                raise IndexUnusable(f"{path}: {why}")
         try:
-            fd = os.open(path, os.O_RDONLY)
+            f = _open_file(storage, directory, INDEX_FILE)
+            head = f.read(0, _HEAD_READ)
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise IndexUnusable(f"{path}: cannot read it ({e})") from e
+            raise IndexUnusable(f"{directory}: cannot read its load index ({e})") from e
         try:
-            return cls._open(directory, path, fd)
+            return cls._open(directory, f.path, f, head, storage)
+        except OSError as e:
+            f.close()
+            raise IndexUnusable(f"{f.path}: cannot read it ({e})") from e
         except BaseException:
-            os.close(fd)
+            f.close()
             raise
 
     @classmethod
-    def _open(cls, directory: str, path: str, fd: int) -> LoadIndex:
-        head = os.pread(fd, _HEAD_READ, 0)
+    def _open(cls, directory: str, path: str, f: _LocalFile | _StorageFile, head: bytes,
+              storage: Storage | None) -> LoadIndex:
         start = len(MAGIC) + 2
         end = head.find(b"\n", start)
         if not head.startswith(MAGIC + b"%d\n" % VERSION) or end < 0:
@@ -117,30 +183,33 @@ class LoadIndex:
             save_id, save_id_at = str(header["save_id"]), int(header["save_id_at"])
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise IndexUnusable(f"{path}: its header is corrupt ({e})") from e
-        size = os.fstat(fd).st_size
+        size = f.size()
         if size != body + body_length or body_length < PREFIX.size:
             raise IndexUnusable(f"{path}: truncated or extended (not the {body + body_length} bytes its "
                                 "header says)")
-        _check_published(directory, md_length, save_id, save_id_at)
-        prefix = _read_exact(fd, body, PREFIX.size, path)
+        _check_published(directory, md_length, save_id, save_id_at, storage)
+        prefix = head[body:body + PREFIX.size] if body + PREFIX.size <= len(head) else _read_exact(
+            f, body, PREFIX.size, path)
         dir_len, dir_crc = PREFIX.unpack(prefix)
         at = body + PREFIX.size
         if at + dir_len > size:  # the length field has no checksum of its own: never read what it claims
             raise IndexUnusable(f"{path}: its directory length ({dir_len} bytes) runs past the end of the file")
-        raw = head[at:at + dir_len] if at + dir_len <= len(head) else _read_exact(fd, at, dir_len, path)
+        raw = head[at:at + dir_len] if at + dir_len <= len(head) else _read_exact(f, at, dir_len, path)
         if zlib.crc32(raw) != dir_crc:
             raise IndexUnusable(f"{path}: its directory is corrupt (checksum mismatch)")
         try:
-            self = cls(directory, fd, header, json.loads(raw), at + dir_len, size)
+            self = cls(directory, f, header, json.loads(raw), at + dir_len, size)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise IndexUnusable(f"{path}: its directory is corrupt ({e})") from e
         self.bytes_read = len(head) if at + dir_len <= len(head) else len(head) + dir_len
         return self
 
+    @property
+    def path(self) -> str:
+        return self._f.path
+
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._f.close()
 
     def __enter__(self) -> LoadIndex:
         return self
@@ -150,10 +219,9 @@ class LoadIndex:
 
     # -- lookups ---------------------------------------------------------------------------
     def _read(self, offset: int, length: int, what: str) -> bytes:
-        path = os.path.join(self.directory, INDEX_FILE)
         if offset < 0 or length < 0 or self._blobs_at + offset + length > self._size:
-            raise IndexUnusable(f"{path}: {what} lies outside the file (offset {offset}, {length} bytes)")
-        data = _read_exact(self._fd, self._blobs_at + offset, length, path, what)
+            raise IndexUnusable(f"{self.path}: {what} lies outside the file (offset {offset}, {length} bytes)")
+        data = _read_exact(self._f, self._blobs_at + offset, length, self.path, what)
         self.bytes_read += length
         return data
 
@@ -164,11 +232,11 @@ class LoadIndex:
             n, nd, _, off, length, crc, _ = self.groups[g]
             blob = self._read(off, length, f"the geometry of group {g}")
             if zlib.crc32(blob) != crc:
-                raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: the geometry of group {g} is "
+                raise IndexUnusable(f"{self.path}: the geometry of group {g} is "
                                     "corrupt (checksum mismatch)")
             arr = np.frombuffer(_inflate(blob, 16 * n * nd), "<i8")
             if arr.size != 2 * n * nd:
-                raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: the geometry of group {g} "
+                raise IndexUnusable(f"{self.path}: the geometry of group {g} "
                                     "has the wrong size")
             got = self._geometry[g] = (arr[:n * nd].reshape(n, nd), arr[n * nd:].reshape(n, nd))
         return got
@@ -189,7 +257,7 @@ class LoadIndex:
                                 np.uint8).reshape(b - a, block)
             for i in range(b - a):
                 if zlib.crc32(raw[i, :width]) != int(raw[i, width:].view("<u4")[0]):
-                    raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: the rows of chunk {a + i} "
+                    raise IndexUnusable(f"{self.path}: the rows of chunk {a + i} "
                                         f"of group {g} are corrupt (checksum mismatch)")
                 out[a + i] = raw[i, :width].copy().view(ROW)
         return out
@@ -224,7 +292,7 @@ class LoadIndex:
         except IndexUnusable:
             raise
         except _DAMAGED as err:
-            raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: corrupt ({err!r})") from err
+            raise IndexUnusable(f"{self.path}: corrupt ({err!r})") from err
         return out
 
     def _chunk_at(self, g: int, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
@@ -281,12 +349,12 @@ class LoadIndex:
         except IndexUnusable:
             raise
         except _DAMAGED as err:
-            raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: corrupt ({err!r})") from err
+            raise IndexUnusable(f"{self.path}: corrupt ({err!r})") from err
         md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
                       **({"version": self.version} if METADATA_VERSION and self.version else {}))
         problem = metadata_problem(md)  # only this rank's entries: cheap
         if problem:
-            raise IndexUnusable(f"{os.path.join(self.directory, INDEX_FILE)}: its entries are not a DCP Metadata "
+            raise IndexUnusable(f"{self.path}: its entries are not a DCP Metadata "
                                 f"({problem})")
         return md
 
@@ -324,26 +392,29 @@ def _overlapping(offs: np.ndarray, sizes: np.ndarray, boxes: tuple | None) -> np
     return np.flatnonzero(hit)
 
 
-def _check_published(directory: str, md_length: int, save_id: str, save_id_at: int) -> None:
+def _check_published(directory: str, md_length: int, save_id: str, save_id_at: int,
+                     storage: Storage | None = None) -> None:
     """The ``.metadata`` beside the index is the one it was written for."""
-    path = os.path.join(directory, METADATA_FILE)
     want = pickled_str(save_id)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        f = _open_file(storage, directory, METADATA_FILE)
+        try:
+            if isinstance(f, _StorageFile):  # one request: from the save_id to one byte past the end
+                tail = f.read(save_id_at, md_length + 1 - save_id_at)
+                got = tail[:len(want)] if len(tail) == md_length - save_id_at else b""
+            else:
+                got = f.read(save_id_at, len(want)) if f.size() == md_length else b""
+        finally:
+            f.close()
     except FileNotFoundError:
         raise IndexStale(f"{directory}: has a load index but no {METADATA_FILE}") from None
-    try:
-        size = os.fstat(fd).st_size
-        got = os.pread(fd, len(want), save_id_at) if size == md_length else b""
-    finally:
-        os.close(fd)
     if got != want:
-        raise IndexStale(f"{os.path.join(directory, INDEX_FILE)} belongs to another {METADATA_FILE} (it was "
-                            "written by another save into this directory)")
+        raise IndexStale(f"the load index of {directory} belongs to another {METADATA_FILE} (it was "
+                         "written by another save into this directory)")
 
 
-def _read_exact(fd: int, offset: int, length: int, path: str, what: str = "the file") -> bytes:
-    data = pread_all(fd, offset, length)
+def _read_exact(f: _LocalFile | _StorageFile, offset: int, length: int, path: str, what: str = "the file") -> bytes:
+    data = f.read(offset, length)
     if len(data) != length:
         raise IndexUnusable(f"{path}: {what} is truncated")
     return data

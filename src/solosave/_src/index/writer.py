@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from solosave._src.core.errors import IndexUnusable
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_VERSION, dtype_name, index_key
 from solosave._src.formats.metadata_template import MetadataTemplate, pickled_str
 from solosave._src.storage.registry import storage_for
@@ -58,8 +59,7 @@ from solosave._src.storage.registry import storage_for
 if TYPE_CHECKING:  # _results imports _sections, which builds indexes: imported where used
     from solosave._src.plan.columns import ChunkTable, ResultColumns
 
-__all__ = ["INDEX_FILE", "body_from_columns", "body_from_metadata", "render",
-           "write"]
+__all__ = ["INDEX_FILE", "body_from_columns", "body_from_metadata", "render", "shifted", "write"]
 
 MAGIC = b"SOLOSAVE-INDEX\n"
 VERSION = 1
@@ -180,6 +180,24 @@ def render(body: bytes, template: MetadataTemplate, checkpoint_id: str, save_id:
     header = {"version": VERSION, "metadata_length": at + len(pickled_str(save_id)) + len(p2),
               "save_id": save_id, "save_id_at": at, "body_length": len(body)}
     return b"".join([MAGIC, b"%d\n" % VERSION, json.dumps(header, sort_keys=True).encode(), b"\n", body])
+
+
+def shifted(data: bytes, delta: int) -> bytes:
+    """The index file ``data`` for the same publication whose ``.metadata`` grew by ``delta``
+    bytes before its ``save_id`` (the same checkpoint copied elsewhere: its ``checkpoint_id``
+    changed length, see ``formats.metadata_template.replace_checkpoint_id``); the body is
+    unchanged. Raises :class:`IndexUnusable` if ``data`` is not a version-1 index."""
+    start = len(MAGIC) + len(b"%d\n" % VERSION)
+    end = data.find(b"\n", start)
+    if not data.startswith(MAGIC + b"%d\n" % VERSION) or end < 0:
+        raise IndexUnusable(f"not a version-{VERSION} solosave load index")
+    try:
+        header = json.loads(data[start:end])
+        header["metadata_length"] = int(header["metadata_length"]) + delta
+        header["save_id_at"] = int(header["save_id_at"]) + delta
+    except (ValueError, KeyError, TypeError) as e:
+        raise IndexUnusable(f"the load index's header is corrupt ({e})") from e
+    return b"".join([data[:start], json.dumps(header, sort_keys=True).encode(), data[end:]])
 
 
 def write(directory: str | os.PathLike, data: bytes, fsync: bool = True,

@@ -42,12 +42,14 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.futures import Future
 
 from solosave._src.coordination.channel import DistChannel
-from solosave._src.core.errors import CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError
+from solosave._src.core.errors import CorruptCheckpointError, IndexUnusable, PreparedMetadataError, UnsafeMetadataError
 from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_FILE, check_ranges, local_file_problem
 from solosave._src.formats.metadata_check import loads_metadata
-from solosave._src.index.reader import IndexUnusable, LoadIndex, wanted_of
+from solosave._src.index.reader import LoadIndex, wanted_of
+from solosave._src.load.range_read import read_items_by_ranges
 from solosave._src.load.read_path import ReadStats, damaged_record, read_items
+from solosave._src.load.tiers import choose_copy
 from solosave._src.load.whole_reads import WholeRead, keeps_default, planning_the_rest, reads_in_place, whole_reads
 from solosave._src.storage.base import Storage
 from solosave._src.storage.dcp_filesystem import DcpFileSystem
@@ -136,10 +138,10 @@ class SafeStorageReader(SafeFileSystemReader):
     """:class:`SafeFileSystemReader` for a storage without
     :attr:`~solosave._src.storage.base.Storage.local_files` (a URL: ``s3://bucket/run/iter_0000100``):
     the same checks, through the backend (``storage_options``: keyword arguments of its client);
-    the records are read by DCP's read path over
+    the records are read with concurrent ranged reads straight into the targets
+    (:mod:`solosave._src.load.range_read`), or, with ``fast_read = False`` or records that need
+    DCP's stream transforms, by DCP's read path over
     :class:`~solosave._src.storage.dcp_filesystem.DcpFileSystem`."""
-
-    fast_read = False
 
     def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None,
                  storage: Storage | None = None) -> None:
@@ -149,19 +151,43 @@ class SafeStorageReader(SafeFileSystemReader):
         self.fs = DcpFileSystem(self.storage)
         self.path = self.fs.init_path(path)
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
+    def read_data(self, plan: Any, planner: Any, whole: Sequence[tuple[WholeRead, Any]] = ()) -> Any:
         needed = _needed(self.path, self.storage_data, plan)
-        problems = check_ranges(self.path, needed, size_of=self.storage.size)
+        needed.update((MetadataIndex(read.fqn), info) for read, info in whole)
+        problems = check_ranges(self.path, needed, size_of=self._sizes())
         if problems:
             raise CorruptCheckpointError(
                 f"checkpoint {self.path} is damaged: {'; '.join(problems)}. Load an earlier checkpoint; "
                 "`solosave verify` lists every problem.", problems)
-        return FileSystemReader.read_data(self, plan, planner)
+        if not self.fast_read or any(getattr(info, "transform_descriptors", None) for info in needed.values()):
+            if whole:
+                raise AssertionError("internal: whole reads need the fast read path")
+            return FileSystemReader.read_data(self, plan, planner)
+        self.last_read_stats = read_items_by_ranges(self.storage, self.path, plan.items, self.storage_data,
+                                                    planner, whole)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.metadata is None:
             self.metadata = parse_metadata(read_metadata_bytes(self.path, self.storage_options), self.path)
         return super().read_metadata(*args, **kwargs)
+
+    def _sizes(self) -> Any:
+        """``size_of(path)`` of :func:`check_ranges` from one listing of the checkpoint."""
+        try:
+            sizes = self.storage.sizes(self.path)
+        except FileNotFoundError:
+            sizes = {}
+
+        def size_of(path: str) -> int:
+            name = self.storage.basename(path)
+            if name not in sizes:
+                raise FileNotFoundError(path)
+            return sizes[name]
+
+        return size_of
 
 
 def _needed(path: Any, storage_data: Mapping[Any, Any], plan: Any) -> dict[Any, Any]:
@@ -244,7 +270,8 @@ def _share_metadata(path: str | os.PathLike, process_group: Any,
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: Any = None,
          planner: Any = None, read_metadata_once: bool = True, safe_globals: Sequence[Any] = (),
-         storage_options: Mapping[str, Any] | None = None, use_index: bool = True) -> None:
+         storage_options: Mapping[str, Any] | None = None, use_index: bool = True,
+         durable_root: str | os.PathLike | None = None) -> str:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective over
     ``process_group`` when torch.distributed is initialised; one process otherwise).
 
@@ -277,8 +304,24 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     ``path`` may be a URL (``s3://bucket/run/iter_0000100``; ``pip install 'solosave[s3]'``),
     with ``storage_options`` handed to its fsspec filesystem; its records are read by DCP's read
     path, with the same checks.
+
+    ``durable_root`` (two tiers, ``CheckpointerOptions.durable_root``): ``path`` names the fast
+    copy and ``<durable_root>/<name>`` the durable one; the fast copy is loaded when every rank
+    finds it complete, else the durable one, on every rank (:mod:`solosave._src.load.tiers`: one
+    more 8-byte ``all_reduce``). Returns the path loaded from.
     """
     distributed = dist.is_available() and dist.is_initialized()
+    if durable_root is not None:
+        path = choose_copy(path, durable_root, process_group, storage_options)
+    _load(state_dict, path, process_group, planner, read_metadata_once, safe_globals, storage_options, use_index,
+          distributed)
+    return os.fspath(path)
+
+
+def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: Any, planner: Any,
+          read_metadata_once: bool, safe_globals: Sequence[Any], storage_options: Mapping[str, Any] | None,
+          use_index: bool, distributed: bool) -> None:
+    """:func:`load` from ``path`` (its tier chosen)."""
     storage = storage_for(path, storage_options)
     reader = (SafeFileSystemReader(path) if storage.local_files
               else SafeStorageReader(path, storage_options, storage=storage))  # DCP's read path
@@ -288,7 +331,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     rank = dist.get_rank(process_group) if distributed else 0
     loaded = False
     if use_index and local and storage.load_index and _index_planner(planner):
-        loaded = _via_index(state_dict, path, reader, planner, rank, process_group, distributed)
+        loaded = _via_index(state_dict, path, reader, planner, rank, process_group, distributed, storage)
         if loaded is None:
             return
     error: Exception | None = None
@@ -311,13 +354,13 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
 
 
 def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: SafeFileSystemReader, planner: Any,
-               rank: int, process_group: Any, distributed: bool) -> bool | None:
+               rank: int, process_group: Any, distributed: bool, storage: Storage) -> bool | None:
     """Load through this rank's load index, if it has a usable one, then agree: ``None`` when
     the load is complete on every rank; otherwise whether this rank loaded (some rank had no
     usable index: the ``.metadata`` path follows on every rank). Raises the agreed error."""
     error: Exception | None = None
     loaded = False
-    idx = _open_index(path)
+    idx = _open_index(reader.path if not storage.local_files else path, storage)
     if idx is not None:
         try:
             error, loaded = _local(state_dict, reader, planner, rank, idx), True
@@ -365,10 +408,10 @@ def _index_planner(planner: Any) -> bool:
     return keeps_default(planner, "set_up_planner")
 
 
-def _open_index(path: str | os.PathLike) -> LoadIndex | None:
+def _open_index(path: str | os.PathLike, storage: Storage) -> LoadIndex | None:
     """This rank's open load index of ``path``, or ``None`` (none, or unusable: logged)."""
     try:
-        return LoadIndex.open(path)
+        return LoadIndex.open(path, storage)
     except IndexUnusable as e:
         log.warning("solosave.load: not using the load index: %s; reading the whole %s", e, METADATA_FILE)
     except OSError as e:

@@ -134,6 +134,8 @@ class _Queued:
     n: int
     target: torch.Tensor
     item: Any
+    #: The file it is read from, where the reader is not one open file (``load/range_read.py``).
+    path: str = ""
 
 
 class _FileRecord:

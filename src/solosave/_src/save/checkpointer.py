@@ -14,9 +14,15 @@ Who calls what, in which order (every rank of ``process_group``):
    :class:`SaveResult` or raises :class:`~solosave.CheckpointError` (the same on every rank).
    The handle waits on a future that this checkpointer completes when its worker reports the
    save's outcome (``_pump``, the handle's pump; see ``save/handle.py``).
-4. ``close()`` (or leaving the ``with`` block) - waits for the save in flight (bounded), stops
-   the worker and frees the staging memory; no processes, segments or files are left behind. A
-   checkpointer dropped without ``close()`` is closed when it is garbage-collected.
+4. ``close()`` (or leaving the ``with`` block) - waits for the save in flight (bounded), and
+   with two tiers for the durable copies still running (bounded), stops the worker and frees the
+   staging memory; no processes, segments or files are left behind. A checkpointer dropped
+   without ``close()`` is closed when it is garbage-collected.
+
+Two tiers (``durable_root``): a save's :class:`SaveResult` arrives when it is published on the
+fast tier, as without them; its ``durable`` field (:class:`~solosave._src.save.result.DurableCopy`)
+completes later, when the worker reports the copy's outcome (the same pump: a handle's
+``wait()`` or ``durable.wait()`` takes whichever message comes next and completes its future).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from solosave._src.coordination.channel import CollectiveCounter, DistChannel
 from solosave._src.coordination.protocol import (
     ChannelSpec,
+    DurableOutcome,
     EngineSettings,
     ErrorKind,
     JobOutcome,
@@ -48,10 +55,11 @@ from solosave._src.core.errors import CheckpointExistsError, PreparedMetadataErr
 from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
+from solosave._src.save.durable import durable_directory
 from solosave._src.save.engine import Engine
 from solosave._src.save.handle import SaveHandle, complete, wait_published
 from solosave._src.save.options import CheckpointerOptions
-from solosave._src.save.result import SaveResult, Started
+from solosave._src.save.result import DurableCopy, DurableResult, SaveResult, Started, durable_result_of
 from solosave._src.save.session import SaveSession, normalize_directory
 from solosave._src.save.staging import Staging
 from solosave._src.save.worker import ProcessTransport, ThreadTransport
@@ -67,7 +75,7 @@ class _Resources:
     def __init__(self) -> None:
         self.transport: ProcessTransport | ThreadTransport | None = None
         self.session: SaveSession | None = None
-        self.group: Any = None
+        self.groups: list[Any] = []
         self.store: Any = None
 
     def release(self, timeout: float) -> None:
@@ -77,9 +85,9 @@ class _Resources:
         finally:
             if self.session is not None:
                 self.session.close()
-            if self.group is not None:
+            for group in self.groups:
                 try:
-                    dist.destroy_process_group(self.group)
+                    dist.destroy_process_group(group)
                 except Exception:  # noqa: BLE001,S110 - already gone with the default group
                     pass
             self.store = None
@@ -124,6 +132,8 @@ class AsyncCheckpointer:
         _check_thread_mode_group(self.options, self.world_size)
         self._setup_counter = CollectiveCounter()
         self._inflight: _InFlight | None = None
+        #: Two tiers: the durable copies not yet reported, by save number.
+        self._durable: dict[int, tuple[str, Future[DurableResult]]] = {}
         self._closed = False
         self._submit_error: BaseException | None = None
         self._known_buckets: set[str] = set()  # URL destinations whose bucket was seen to exist
@@ -134,7 +144,7 @@ class AsyncCheckpointer:
 
     def _start_background(self, writer: FileWriter | None) -> None:
         o = self.options
-        settings = EngineSettings(o.workers, o.on_layout_drift, o.prepared_path, o.storage_options)
+        settings = EngineSettings(o.workers, o.on_layout_drift, o.prepared_path, o.storage_options, o.durable_root)
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
         if o.persistent_worker:
             spec = ChannelSpec(host, port, prefix, self.rank, self.world_size, float(o.timeout))
@@ -142,24 +152,38 @@ class AsyncCheckpointer:
             return
         import datetime
 
-        self._res.group = new_gloo_group(self.process_group, self._setup_counter, o.timeout)
+        group = new_gloo_group(self.process_group, self._setup_counter, o.timeout)
+        self._res.groups.append(group)
         client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=o.timeout))
         receipts = dist.PrefixStore(prefix + "receipts/", client)
-        channel = DistChannel(self._res.group, CollectiveCounter(), store=receipts, timeout=o.timeout)
-        self._res.transport = ThreadTransport(Engine(channel, settings, writer))
+        channel = DistChannel(group, CollectiveCounter(), store=receipts, timeout=o.timeout)
+        durable = None
+        if o.durable_root:  # the durable copies' own group (see save/durable.py)
+            group = new_gloo_group(self.process_group, self._setup_counter, o.timeout)
+            self._res.groups.append(group)
+            durable = DistChannel(group, CollectiveCounter(), timeout=o.timeout,
+                                  store=dist.PrefixStore(prefix + "durable-receipts/", client))
+        self._res.transport = ThreadTransport(Engine(channel, settings, writer, durable))
 
     # -- prepared metadata ----------------------------------------------------------------
     def _agreed_prepared(self) -> PreparedMetadata | None:
         """:meth:`_initial_prepared` on every rank, then one 8-byte ``all_reduce`` (counted):
         when it failed on some ranks only (say, one rank's section of the prepared file is
         damaged, or one rank cannot read the file), every rank raises now, naming that rank,
-        instead of the others waiting for it in the set-up broadcast until the timeout."""
+        instead of the others waiting for it in the set-up broadcast until the timeout. The same
+        word says whether every rank, or none, has a ``durable_root`` (the workers of some ranks
+        only would wait for the others' durable channel until the timeout)."""
         try:
             prepared, error = self._initial_prepared(), None
         except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
             prepared, error = None, e
         ch = DistChannel(self.process_group, self._setup_counter)
-        if ch.all_true(error is None):
+        tiers = 0b010 if self.options.durable_root else 0b100
+        agreed = ch.all_and(int(error is None) | tiers)
+        if error is None and not agreed & 0b110:
+            raise ValueError("durable_root is set on some ranks only: pass the same durable_root (or none) "
+                             "to the AsyncCheckpointer of every rank")
+        if agreed & 1:
             return prepared
         reports = ch.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
@@ -229,7 +253,7 @@ class AsyncCheckpointer:
             # objects per item, enough to set off a generation-2 pass (21 ms per save of 2048
             # tensors, py-spy, issue 13). Reference counting frees them; the collector resumes.
             with gc_paused():
-                built = self._session.build(state_dict, directory)
+                built = self._session.build(state_dict, directory, overwrite)
         except Exception as e:
             abort = self._session.abort(normalize_directory(path), e)
             # no handle of this save reaches the user: it is reported by raising here
@@ -303,28 +327,68 @@ class AsyncCheckpointer:
                 f"destination {directory!r} already holds a complete checkpoint; choose a new "
                 "directory or pass overwrite=True (its .metadata is removed before any data is written)")
         storage.prepare_destination(directory, self._known_buckets)
+        root = self.options.durable_root
+        if root is not None and durable_directory(root, directory) == directory:
+            raise ValueError(f"the durable copy of {directory!r} would be the checkpoint itself: durable_root "
+                             f"({root!r}) must be another directory than the save's parent")
         return directory
 
     # -- completion -------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
-        """The handles' pump: take at most one outcome from the worker (waiting at most
-        ``timeout`` seconds) and complete the future of the save in flight."""
+        """The handles' pump: take at most one message from the worker (waiting at most
+        ``timeout`` seconds) and complete the future it answers: the save in flight's, or a
+        durable copy's (two tiers)."""
         f = self._inflight
-        if f is None or f.published.done():
+        waiting = f is not None and not f.published.done()
+        if not waiting and not self._durable:
             return
-        seq = f.handle.seq
-        if self._submit_error is not None:
+        if waiting and self._submit_error is not None:
             e, self._submit_error = self._submit_error, None
-            outcome = JobOutcome(seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED,
+            outcome = JobOutcome(f.handle.seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED,
                                  failures={self.rank: f"staging on the device failed: {type(e).__name__}: {e}"})
         else:
-            outcome = self._transport.poll(timeout)
+            try:
+                outcome = self._transport.poll(timeout)
+            except WorkerDiedError as e:
+                self._fail_durable(f"the worker died before the copy was published ({e})")
+                raise
         if outcome is None:
             return
-        if outcome.seq != seq:
-            raise RuntimeError(f"internal: outcome for save {outcome.seq}, expected {seq}")
+        if isinstance(outcome, DurableOutcome):
+            self._complete_durable(outcome)
+            return
+        if not waiting or outcome.seq != f.handle.seq:
+            raise RuntimeError(f"internal: outcome for save {outcome.seq}, expected "
+                               f"{f.handle.seq if waiting else 'none'}")
         self._session.absorb(outcome)
-        complete(f.published, outcome, f.handle.path, self.rank, f.started)
+        durable = None
+        if outcome.ok and outcome.durable:
+            future: Future[DurableResult] = Future()
+            self._durable[outcome.seq] = (outcome.durable, future)
+            durable = DurableCopy(outcome.durable, future, self._pump, self.options.timeout)
+        complete(f.published, outcome, f.handle.path, self.rank, f.started, durable)
+
+    def _complete_durable(self, outcome: DurableOutcome) -> None:
+        entry = self._durable.pop(outcome.seq, None)
+        if entry is not None:
+            entry[1].set_result(durable_result_of(outcome))
+
+    def _fail_durable(self, why: str) -> None:
+        """Complete every durable copy not yet reported as failed on this rank (the worker is
+        gone, or ``close()`` gave up on them): as far as this rank knows, their ``.metadata`` was
+        not published on the durable tier (look there to be sure)."""
+        pending, self._durable = self._durable, {}
+        for path, future in pending.values():
+            future.set_result(DurableResult(path, False, {self.rank: why}, 0, 0.0, ()))
+
+    def _wait_for_copies(self, timeout: float) -> None:
+        """Pump (bounded) until every durable copy is reported; never raises."""
+        deadline = time.monotonic() + timeout
+        try:
+            while self._durable and time.monotonic() < deadline:
+                self._pump(min(max(deadline - time.monotonic(), 0.0), 1.0))
+        except Exception as e:  # noqa: BLE001 - close never raises; the copies are reported failed below
+            log.warning("solosave: waiting for the durable copies: %s", e)
 
     def _wait_for(self, f: _InFlight, timeout: float) -> None:
         """Wait (bounded) for the save in flight to finish, without reporting it to the user."""
@@ -343,11 +407,17 @@ class AsyncCheckpointer:
         checkpoints are untouched. ``close()`` itself never raises (it logs a warning), takes at
         most about ``min(timeout, 30) + 10`` seconds beyond the save's wait, and leaves no worker
         process or staging buffer behind. Idempotent.
+
+        With two tiers it then waits, within the same ``timeout``, for the durable copies still
+        running (the last save's above all); a copy that has not ended by then is abandoned (its
+        upload aborted, nothing published on the durable tier) and its ``durable.wait()``
+        returns a failed :class:`~solosave._src.save.result.DurableResult` saying so.
         """
         if self._closed:
             return
         self._closed = True
         t = self.options.timeout if timeout is None else timeout
+        deadline = time.monotonic() + t
         f = self._inflight
         try:
             if f is not None and not f.published.done():
@@ -359,6 +429,7 @@ class AsyncCheckpointer:
             error = f.published.exception() if f is not None and f.published.done() else None
             if f is not None and error is not None and not f.handle.reported:
                 log.warning("solosave: save to %s failed and was never waited for: %s", f.handle.path, error)
+            self._wait_for_copies(max(deadline - time.monotonic(), 0.0))
         finally:
             self._finalizer.detach()
             try:
@@ -367,10 +438,22 @@ class AsyncCheckpointer:
                 log.warning("solosave: releasing the checkpointer's resources: %s", e)
             if f is not None and not f.published.done():
                 self._settle_abandoned(f, t)
+            self._settle_copies(t)
+
+    def _settle_copies(self, t: float) -> None:
+        """After the worker stopped: the copies it reported last, then the rest as abandoned."""
+        for late in [o for o in self._transport.leftover if isinstance(o, DurableOutcome)]:
+            self._complete_durable(late)
+        if self._durable:
+            log.warning("solosave: close() abandoned %d durable cop%s still running after %g s: %s",
+                        len(self._durable), "y" if len(self._durable) == 1 else "ies", t,
+                        ", ".join(p for p, _ in self._durable.values()))
+        self._fail_durable(f"abandoned by close(): the copy did not end within {t:g} s and this rank's "
+                           "worker was stopped")
 
     def _settle_abandoned(self, f: _InFlight, t: float) -> None:
         seq, path = f.handle.seq, f.handle.path
-        late = [o for o in self._transport.leftover if o.seq == seq]
+        late = [o for o in self._transport.leftover if isinstance(o, JobOutcome) and o.seq == seq]
         try:
             st = storage_for(path, self.options.storage_options)
             published = st.exists(st.join(path, METADATA_FILE))

@@ -21,6 +21,13 @@ the template a save made; the engine keeps the prepared metadata in use, that te
 by the next prepared metadata, so the coordinator does not read back what it just wrote) and the
 broken state.
 
+With two tiers (``durable_root``) the engine also owns the rank's
+:class:`~solosave._src.save.durable.Copier`: once a save is published on the fast tier, its copy
+to the durable tier is queued there and the save's outcome is reported at once (it names the
+queued copy: ``JobOutcome.durable``); the copy's own outcome follows from the copier's thread.
+Before a save writes, it waits (bounded) while ``MAX_PENDING`` copies are pending, and while a
+pending copy still reads the directory it is about to rewrite (an overwrite).
+
 Errors are told apart: a per-save failure (a write error, a bad value, a drift) fails that save
 on every rank and the next save runs normally. A failed collective (:class:`ChannelError`: a
 peer died or timed out), ranks found *out of step* (running different saves), or an internal
@@ -39,8 +46,10 @@ from collections import defaultdict
 from solosave._src.coordination.channel import Channel
 from solosave._src.coordination.protocol import EngineSettings, ErrorKind, JobOutcome, Mode, SaveJob, SaveKind
 from solosave._src.core.errors import ChannelError, OutOfStep
+from solosave._src.formats.dcp import checksum_path
 from solosave._src.prepared.prepared import PreparedMetadata
 from solosave._src.save.collective import MadeTemplate, run_collective
+from solosave._src.save.durable import MAX_PENDING, Copier, CopyTask
 from solosave._src.save.rank_io import RankIO
 from solosave._src.save.reuse import ReceiptLost, run_reuse
 from solosave._src.save.writer import FileWriter
@@ -52,10 +61,13 @@ RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and 
 class Engine:
     """Runs save jobs for one rank. Owned by a worker process or a worker thread.
 
-    ``settings`` are the checkpointer's (sent once); ``writer`` writes the files.
+    ``settings`` are the checkpointer's (sent once); ``writer`` writes the files; ``durable``:
+    the channel of the durable copies (a group of its own), given when ``settings.durable_root``
+    is set.
     """
 
-    def __init__(self, channel: Channel, settings: EngineSettings, writer: FileWriter | None = None) -> None:
+    def __init__(self, channel: Channel, settings: EngineSettings, writer: FileWriter | None = None,
+                 durable: Channel | None = None) -> None:
         self.channel = channel
         self.rank = channel.rank
         self.settings = settings
@@ -70,8 +82,13 @@ class Engine:
         self._made: MadeTemplate | None = None
         #: Why the channel cannot be used any more, and the kind of that failure.
         self.broken: tuple[ErrorKind, str] | None = None
+        #: Two tiers: this rank's durable copies (``None`` without a durable root).
+        self.copier = (Copier(durable, writer, settings.storage_options, settings.workers)
+                       if durable is not None and settings.durable_root else None)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        if self.copier is not None:
+            self.copier.close(timeout)
         self.io.close()
 
     def run(self, job: SaveJob) -> JobOutcome:
@@ -82,6 +99,8 @@ class Engine:
             kind, why = self.broken
             return JobOutcome(job.seq, False, _kind(job), error_kind=kind,
                               failures={self.rank: why}, finished_at=time.time())
+        if self.copier is not None and job.durable:
+            job = self._wait_for_copies(job)
         try:
             if job.mode is Mode.REUSE:
                 prepared = self._prepared_for(job) if job.abort is None or job.prepared is not None else None
@@ -106,7 +125,32 @@ class Engine:
                               + "".join(traceback.format_exception(e)).rstrip())
         calls = tuple(self.channel.counter.since(mark))
         timings["coordinate"] = sum(c.seconds for c in calls)
-        return dataclasses.replace(out, timings=dict(timings), collectives=calls, finished_at=time.time())
+        out = dataclasses.replace(out, timings=dict(timings), collectives=calls, finished_at=time.time())
+        if out.ok and out.published and job.durable and self.copier is not None:
+            out = self._queue_copy(job, out)
+        return out
+
+    def _wait_for_copies(self, job: SaveJob) -> SaveJob:
+        """Before ``job`` writes: wait (bounded) for the backlog of copies to drop below
+        ``MAX_PENDING`` and for any copy that reads ``job``'s directory; a save that would
+        rewrite a directory still being copied fails instead (on every rank, through its job)."""
+        copier = self.copier
+        assert copier is not None  # noqa: S101 - checked by the caller
+        timeout = self.channel.timeout
+        copier.wait_until(lambda: copier.pending() < MAX_PENDING and not copier.busy_with(job.directory), timeout)
+        if job.abort is None and copier.busy_with(job.directory):
+            return dataclasses.replace(job, abort=f"the durable copy of the earlier save to {job.directory} was "
+                                                  f"still reading it after {timeout:g} s; it is not overwritten")
+        return job
+
+    def _queue_copy(self, job: SaveJob, out: JobOutcome) -> JobOutcome:
+        """Queue the durable copy of ``job`` (published on the fast tier on every rank)."""
+        files = self.io.last_files
+        if self.io.writer.checksums:
+            files = files + tuple(checksum_path(f) for f in files)
+        assert self.copier is not None and job.durable is not None  # noqa: S101 - checked by the caller
+        self.copier.submit(CopyTask(job.seq, job.directory, job.durable, files, job.overwrite, out.finished_at))
+        return dataclasses.replace(out, durable=job.durable)
 
     def _break(self, job: SaveJob, kind: ErrorKind, why: str, published: bool | None = False) -> JobOutcome:
         self.broken = (kind, f"{why}; {RECREATE}")

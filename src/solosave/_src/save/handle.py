@@ -26,7 +26,7 @@ from typing import Protocol
 
 from solosave._src.coordination.protocol import JobOutcome
 from solosave._src.core.errors import SaveTimeoutError
-from solosave._src.save.result import SaveResult, Started, error_of, result_of
+from solosave._src.save.result import DurableCopy, SaveResult, Started, error_of, result_of
 
 #: ``pump(timeout)``: take at most one outcome from the worker (waiting at most ``timeout``
 #: seconds; ``0``: only look) and complete the published future of its save.
@@ -40,13 +40,15 @@ class StagedFuture(Protocol):
     def wait(self, timeout: float) -> None: ...
 
 
-def complete(published: Future[SaveResult], outcome: JobOutcome, path: str, rank: int, started: Started) -> None:
+def complete(published: Future[SaveResult], outcome: JobOutcome, path: str, rank: int, started: Started,
+             durable: DurableCopy | None = None) -> None:
     """The checkpointer, once per save: complete ``published`` from the save's outcome (its
-    :class:`SaveResult`, whose warnings are issued now, or its error)."""
+    :class:`SaveResult`, whose warnings are issued now, or its error); ``durable``: the copy to
+    the durable tier that the outcome queued."""
     if not outcome.ok:
         published.set_exception(error_of(outcome, path))
         return
-    published.set_result(result_of(outcome, path, rank, started))
+    published.set_result(result_of(outcome, path, rank, started, durable))
     for w in outcome.warnings:
         warnings.warn(w, RuntimeWarning, stacklevel=3)
 

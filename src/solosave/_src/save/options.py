@@ -102,9 +102,15 @@ class CheckpointerOptions:
         "URL destinations (s3://bucket/path; pip install 'solosave[s3]'): keyword arguments of the fsspec "
         "filesystem, e.g. '{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}'; by default "
         "the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) apply"))
+    durable_root: str | None = option(None, flag="--ckpt-durable-root", metavar="DIR|URL", help=(
+        "two tiers: a save to .../NAME is published as usual (the fast tier), then each rank's worker "
+        "copies its files to DURABLE/NAME in the background and the coordinator publishes "
+        "DURABLE/NAME/.metadata once every rank's copy succeeded (a path or a URL; "
+        "storage_options apply to URLs); the training loop never waits for the copy"))
 
     def __post_init__(self) -> None:
         _check_storage_options(self)
+        _check_durable_root(self)
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
             raise OptionError(f"{{workers}} must be >= 1 (an int: files per rank), got {self.workers!r}")
         if self.on_layout_drift not in DRIFT_POLICIES:
@@ -152,6 +158,16 @@ def _check_storage_options(options: CheckpointerOptions) -> None:
     except Exception as e:  # noqa: BLE001 - any failure: it cannot reach the worker
         raise OptionError(f"{{storage_options}} must be picklable (it travels to the worker process): {e}") from e
     object.__setattr__(options, "storage_options", dict(so))
+
+
+def _check_durable_root(options: CheckpointerOptions) -> None:
+    """``durable_root`` is a path or a URL (kept as the string every rank derives alike)."""
+    root = options.durable_root
+    if root is None:
+        return
+    if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+        raise OptionError(f"{{durable_root}} must be a directory path or a URL (s3://bucket/run), got {root!r}")
+    object.__setattr__(options, "durable_root", os.fspath(root))
 
 
 def add_option_flags(group: Any, cls: type = CheckpointerOptions) -> None:

@@ -73,6 +73,8 @@ class RankIO:
         self._records: dict[int, Record] = {}
         #: The reuse write of the last structure (:meth:`write_prepared`).
         self.reuse_program: ReuseProgram | None = None
+        #: The data files (relative names) that hold a record of this rank's last write.
+        self.last_files: tuple[str, ...] = ()
 
     def close(self) -> None:
         self._records = {}  # they hold views of the mapping the reader closes
@@ -111,8 +113,11 @@ class RankIO:
         t0 = time.perf_counter()
         storage_for(job.directory, self.storage_options).makedirs(job.directory)
         unpublish(job.directory, self.storage_options)  # never an old .metadata next to new data
+        self.last_files = ()
         try:
-            return self.writer.write_files(job.directory, todo)
+            results = self.writer.write_files(job.directory, todo)
+            self.last_files = tuple(sorted({r[1] for r in results}))
+            return results
         finally:
             del todo  # the records hold views of the staging buffer
             timings["write"] += time.perf_counter() - t0

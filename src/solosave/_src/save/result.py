@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from solosave._src.coordination.channel import CollectiveCall
-from solosave._src.coordination.protocol import ErrorKind, JobOutcome
-from solosave._src.core.errors import CheckpointError, LayoutDriftError
+from solosave._src.coordination.protocol import DurableOutcome, ErrorKind, JobOutcome
+from solosave._src.core.errors import CheckpointError, LayoutDriftError, SaveTimeoutError
 from solosave._src.formats.dcp import METADATA_FILE
 
 
@@ -28,6 +31,80 @@ class PhaseTimings:
 
 
 @dataclass(frozen=True, slots=True)
+class DurableResult:
+    """How one save's copy to the durable tier ended (the same ``ok`` and ``failures`` on every
+    rank). A failed copy never touched the fast copy, which stays published."""
+
+    path: str
+    #: Whether ``<durable>/.metadata`` was published.
+    ok: bool
+    #: Per failing rank, what went wrong (empty when ``ok``).
+    failures: dict[int, str]
+    #: Bytes this rank copied (its files; on the coordinator also the index and ``.metadata``).
+    bytes_copied: int
+    #: Seconds from the fast publication to the end of the copy, on this rank.
+    seconds: float
+    #: The collectives of the durable stage (on its own channel): one 8-byte ``all_reduce``,
+    #: plus an ``all_gather_object`` of the errors when a copy failed.
+    collectives: tuple[CollectiveCall, ...]
+
+    @property
+    def error(self) -> str | None:
+        """One line naming the failing ranks and what went wrong (``None`` when ``ok``)."""
+        if self.ok:
+            return None
+        return f"durable copy to {self.path} failed on rank(s) {sorted(self.failures)}: " + "; ".join(
+            f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
+
+
+def durable_result_of(outcome: DurableOutcome) -> DurableResult:
+    return DurableResult(outcome.path, outcome.ok, dict(outcome.failures), outcome.bytes_copied,
+                         max(outcome.finished_at - outcome.started_at, 0.0), tuple(outcome.collectives))
+
+
+class DurableCopy:
+    """A save's copy to the durable tier, in flight or done (``SaveResult.durable``). Calling
+    thread, every rank; no method calls a collective. ``done()`` never blocks; ``wait(timeout)``
+    returns the :class:`DurableResult` (a failure is a result with ``ok=False``, not an
+    exception) or raises :class:`~solosave.SaveTimeoutError` if it did not end in time. Made by
+    the checkpointer, which completes ``future``; ``pump(seconds)`` takes the next message of
+    the worker (see ``save/handle.py``)."""
+
+    def __init__(self, path: str, future: Future[DurableResult], pump: Callable[[float], None],
+                 timeout: float) -> None:
+        self.path = path
+        self._future = future
+        self._pump = pump
+        self._timeout = timeout
+
+    def done(self) -> bool:
+        if not self._future.done():
+            self._take(0.0)
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> DurableResult:
+        limit = self._timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while not self._future.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SaveTimeoutError(f"the durable copy to {self.path} did not end within {limit:.0f} s")
+            self._take(min(left, 1.0))
+        return self._future.result()
+
+    def _take(self, seconds: float) -> None:
+        try:
+            self._pump(seconds)
+        except Exception:
+            if not self._future.done():  # the pump's error (a dead worker) settled this copy: its result
+                raise
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._future.done() else ("ok" if self._future.result().ok else "failed")
+        return f"DurableCopy({self.path!r}, {state})"
+
+
+@dataclass(frozen=True, slots=True)
 class SaveResult:
     """The outcome of one save on this rank."""
 
@@ -42,6 +119,8 @@ class SaveResult:
     #: Whether ``.metadata`` was published (known on every rank: a successful save is published).
     published: bool
     warnings: tuple[str, ...] = ()
+    #: Two tiers: this save's copy to the durable tier (``None`` without ``durable_root``).
+    durable: DurableCopy | None = None
 
     def collectives(self, where: str = "all") -> dict[str, dict[str, int]]:
         """``{kind: {"count": n, "bytes": payload}}`` for ``where`` in
@@ -69,7 +148,8 @@ class Started:
     calling: tuple[CollectiveCall, ...]
 
 
-def result_of(outcome: JobOutcome, path: str, rank: int, started: Started) -> SaveResult:
+def result_of(outcome: JobOutcome, path: str, rank: int, started: Started,
+              durable: DurableCopy | None = None) -> SaveResult:
     """The :class:`SaveResult` of a successful save on this rank."""
     tm = outcome.timings
     return SaveResult(
@@ -77,7 +157,7 @@ def result_of(outcome: JobOutcome, path: str, rank: int, started: Started) -> Sa
         timings=PhaseTimings(started.plan_s, started.stage_s, tm.get("write", 0.0), tm.get("coordinate", 0.0),
                              tm.get("publish", 0.0), started.block_s, max(outcome.finished_at - started.at, 0.0)),
         collectives_calling_thread=started.calling, collectives_background=outcome.collectives,
-        published=outcome.published, warnings=outcome.warnings)
+        published=outcome.published, warnings=outcome.warnings, durable=durable)
 
 
 def error_of(outcome: JobOutcome, path: str) -> CheckpointError:

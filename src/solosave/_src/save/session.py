@@ -20,6 +20,7 @@ from solosave._src.coordination.protocol import ItemSpec, JobOutcome, Mode, Save
 from solosave._src.plan.local_plan import LocalPlan
 from solosave._src.plan.structure import StructureCache
 from solosave._src.prepared.prepared import PreparedMetadata
+from solosave._src.save.durable import durable_directory
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.staging import Stager, Staging
 from solosave._src.storage.registry import backend_for
@@ -61,9 +62,10 @@ class SaveSession:
     def mode(self) -> Mode:
         return Mode.REUSE if self.prepared is not None else Mode.COLLECTIVE
 
-    def build(self, state_dict: Mapping[str, Any], directory: str) -> BuiltJob:
+    def build(self, state_dict: Mapping[str, Any], directory: str, overwrite: bool = False) -> BuiltJob:
         """Plan and stage ``state_dict`` for a save to ``directory`` and number the job. Raises
-        for bad input before anything is numbered or staged; see :meth:`abort`."""
+        for bad input before anything is numbered or staged; see :meth:`abort`. ``overwrite``:
+        the save may replace a published checkpoint (its durable copy too, with two tiers)."""
         t0 = time.perf_counter()
         plan = self.structure.plan(state_dict)
         reuse, to_stage, held = self._plans(plan)
@@ -72,7 +74,11 @@ class SaveSession:
         staged, staging = self.stager.stage(to_stage, plan.values, overlap=overlap,
                                             watch=plan.dtensors if overlap else None)
         t2 = time.perf_counter()
-        return BuiltJob(self._job(directory, plan, staged, reuse, held), staging, t1 - t0, t2 - t1)
+        job = self._job(directory, plan, staged, reuse, held)
+        if self.options.durable_root:
+            job = dataclasses.replace(job, durable=durable_directory(self.options.durable_root, directory),
+                                      overwrite=overwrite)
+        return BuiltJob(job, staging, t1 - t0, t2 - t1)
 
     def _plans(self, plan: LocalPlan) -> tuple[Any, list[ItemSpec], tuple[ItemSpec, ...]]:
         """The reuse plan, the specs to stage and the held specs of ``plan``'s structure (the

@@ -3,8 +3,9 @@
 Both transports have the same surface, used only by the trainer-side checkpointer:
 ``share_buffer(name, fd)`` (a new staging buffer's descriptor, before the first job naming it),
 ``submit(job)`` (hands the job over; the worker is idle then, as the checkpointer has already
-collected the previous outcome), ``poll(timeout) -> JobOutcome | None`` (bounded; raises
-:class:`WorkerDiedError` if the worker is gone), ``close(timeout)`` (never raises).
+collected the previous outcome), ``poll(timeout) -> JobOutcome | DurableOutcome | None``
+(bounded; raises :class:`WorkerDiedError` if the worker is gone; a ``DurableOutcome`` comes from
+the engine's copier thread, two tiers), ``close(timeout)`` (never raises).
 
 The worker process (a fresh interpreter: ``python -m solosave._src.save.worker_entry``) receives a
 :class:`~solosave._src.coordination.protocol.WorkerSetup`, joins the rendezvous ``TCPStore`` that the
@@ -97,13 +98,26 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
                                 rank=spec.rank, world_size=spec.world_size, timeout=timeout)
         channel = DistChannel(None, store=dist.PrefixStore(spec.prefix + "receipts/", store),
                               timeout=spec.timeout_s)
-        engine = Engine(channel, setup.settings, setup.writer)
+        durable = None
+        if setup.settings.durable_root:  # the durable copies' own group: never interleaved with a save's
+            group = dist.new_group(backend="gloo", timeout=timeout)
+            durable = DistChannel(group, store=dist.PrefixStore(spec.prefix + "durable-receipts/", store),
+                                  timeout=spec.timeout_s)
+        engine = Engine(channel, setup.settings, setup.writer, durable)
+        send_lock = threading.Lock()
+
+        def send(msg: WorkerMessage) -> None:  # the main loop and the copier's thread
+            with send_lock:
+                conn.send(msg)
+
+        if engine.copier is not None:
+            engine.copier.post = lambda outcome: send(WorkerMessage(WorkerEvent.DURABLE, outcome))
         # This process's heap after its imports (torch's modules: about a million objects) lives
         # as long as the process: freeze it, so that the collections a save's allocations set
         # off do not scan it (33 ms per save of 2048 records at W=2 before, py-spy, issue 13).
         gc.collect()
         gc.freeze()
-        conn.send(WorkerMessage(WorkerEvent.READY, os.getpid()))
+        send(WorkerMessage(WorkerEvent.READY, os.getpid()))
         job = None
         while True:
             try:
@@ -116,7 +130,7 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
                 engine.io.reader.adopt(msg.name, reduction.recv_handle(conn))
                 continue
             job = expand_job(job, msg)
-            conn.send(WorkerMessage(WorkerEvent.OUTCOME, engine.run(job)))
+            send(WorkerMessage(WorkerEvent.OUTCOME, engine.run(job)))
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, then exit
         try:
             conn.send(WorkerMessage(WorkerEvent.FATAL, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -124,7 +138,7 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
             pass
     finally:
         if engine is not None:
-            engine.close()
+            engine.close(min(setup.channel.timeout_s, 5.0))
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -220,7 +234,7 @@ class ProcessTransport:
             if msg.event is WorkerEvent.FATAL:
                 self._fatal = str(msg.payload)
                 self._check_alive()
-            return msg.payload
+            return msg.payload  # a JobOutcome, or a DurableOutcome (two tiers)
 
     def close(self, timeout: float) -> None:
         """Stop the worker (asked, then terminated, then killed); never raises."""
@@ -231,7 +245,7 @@ class ProcessTransport:
         try:  # an outcome that arrived while the worker was stopping (see AsyncCheckpointer.close)
             while self._conn.poll(0):
                 msg = self._conn.recv()
-                if msg.event is WorkerEvent.OUTCOME:
+                if msg.event in (WorkerEvent.OUTCOME, WorkerEvent.DURABLE):
                     self.leftover.append(msg.payload)
         except (EOFError, OSError):
             pass
@@ -259,7 +273,9 @@ class ThreadTransport:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._jobs: queue.Queue = queue.Queue()
-        self._outcomes: queue.Queue = queue.Queue()
+        self._outcomes: queue.Queue = queue.Queue()  # JobOutcome, or DurableOutcome (the copier's thread)
+        if engine.copier is not None:
+            engine.copier.post = self._outcomes.put
         self._thread = threading.Thread(target=self._run, name="solosave-background", daemon=True)
         self._thread.start()
         self.pid = os.getpid()
@@ -306,4 +322,4 @@ class ThreadTransport:
             log.warning("solosave: the background thread did not stop within %.0f s; it ends with "
                         "the process", timeout)
             return
-        self.engine.close()
+        self.engine.close(min(timeout, 5.0))

@@ -23,9 +23,11 @@ checkpoint directory, already :meth:`~Storage.normalize`\\ d):
    :meth:`~Storage.commit`, or :meth:`~Storage.stage_commit` while the data is still being
    written and :meth:`Commit.finish` once every rank agreed (:meth:`Commit.discard` otherwise).
 
-Loading reads ``.metadata`` with :meth:`~Storage.read` (group rank 0), then the data files: with
-``os`` calls where :attr:`~Storage.local_files`, else through DCP's read path over
-:meth:`~Storage.open_read` (:class:`~solosave._src.storage.dcp_filesystem.DcpFileSystem`).
+Loading reads ``.metadata`` with :meth:`~Storage.read` (group rank 0), or the load index with
+:meth:`~Storage.read_range` (every rank), then the data files: with ``os`` calls where
+:attr:`~Storage.local_files`, else with concurrent :meth:`~Storage.read_range_into` calls
+(``load/range_read.py``; checkpoints whose records need DCP's stream transforms: DCP's read
+path over :meth:`~Storage.open_read`, :class:`~solosave._src.storage.dcp_filesystem.DcpFileSystem`).
 Prepared files are read by sections with :meth:`~Storage.read_range`. Retention removes
 ``<dir>/.metadata`` first, then :meth:`~Storage.remove_tree`. The ``latest`` marker and the
 prepared file are replaced with :meth:`~Storage.commit`.
@@ -174,8 +176,8 @@ class Storage(ABC):
     #: ``os`` calls (``pread`` straight into tensors, ``writev``, ``sync_file_range``). ``False``:
     #: every byte goes through this object, and loads read records through DCP's read path.
     local_files: ClassVar[bool] = False
-    #: Saves write the load index (``.solosave-index``) here and loads read it back. Only where
-    #: the index reader can read it (it reads local files).
+    #: Saves write the load index (``.solosave-index``) here and loads read it back (by ranges,
+    #: :meth:`read_range`).
     load_index: ClassVar[bool] = False
     #: How :meth:`commit` replaces an object (a :class:`Commit` subclass); may be set per instance.
     commit_type: type[Commit]
@@ -233,6 +235,13 @@ class Storage(ABC):
     @abstractmethod
     def size(self, path: str) -> int: ...
 
+    def sizes(self, path: str) -> dict[str, int]:
+        """The size of every object directly under ``path``, by name (a load checks its data
+        files' sizes with it). The default asks :meth:`size` of each; a backend whose listing
+        carries sizes answers with one listing."""
+        return {name: self.size(self.join(path, name)) for name in self.listdir(path)
+                if self.isfile(self.join(path, name))}
+
     # -- reads --------------------------------------------------------------------------------
     @abstractmethod
     def read(self, path: str) -> bytes: ...
@@ -240,6 +249,15 @@ class Storage(ABC):
     @abstractmethod
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` (fewer only at the end of the object)."""
+
+    def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
+        """Read ``len(out)`` bytes at ``offset`` into ``out`` (a writable byte view: a tensor's
+        memory); returns the bytes read (fewer only at the end of the object). May be called from
+        many threads at once. The default copies what :meth:`read_range` returns; a backend that
+        can read into a buffer overrides it."""
+        data = self.read_range(path, offset, len(out))
+        out[:len(data)] = data
+        return len(data)
 
     @abstractmethod
     def open_read(self, path: str) -> BinaryIO:

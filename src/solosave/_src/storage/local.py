@@ -196,6 +196,19 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(out):
+                got = os.preadv(fd, [out[done:]], offset + done)
+                if got <= 0:
+                    break
+                done += got
+            return done
+        finally:
+            os.close(fd)
+
     def open_read(self, path: str) -> BinaryIO:
         return open(path, "rb")  # noqa: SIM115 - the caller closes it
 

@@ -113,7 +113,7 @@ class LocalChannel(Channel):
             out &= int.from_bytes(b, "little", signed=True)
         return out
 
-    def post_receipt(self, seq: int, error: str | None) -> None:
+    def post_receipt(self, seq: int, error: str | None, previous: int | None = None) -> None:
         self._hub.post(seq, error)
 
     def wait_receipt(self, seq: int, timeout: float) -> str | None:

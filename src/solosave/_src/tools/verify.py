@@ -9,7 +9,7 @@ One process, no collective. What is checked, in order:
 3. if the data files have checksum sidecars (``AsyncCheckpointer(checksums=True)``): the CRC32
    of every range equals the recorded one;
 4. optionally, a prepared-metadata file places every item exactly where this checkpoint has it;
-5. a load index (``.solosave-index``, local checkpoints) holds exactly the entries of
+5. a load index (``.solosave-index``) holds exactly the entries of
    ``.metadata``: one that belongs to another ``.metadata`` is reported as stale (loads ignore
    it), one that belongs to this one but differs or is damaged is a problem.
 """
@@ -25,7 +25,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from solosave._src.core.checksum import crc32
-from solosave._src.core.errors import PreparedMetadataError
+from solosave._src.core.errors import IndexStale, IndexUnusable, PreparedMetadataError
 from solosave._src.formats.dcp import (
     CHECKSUM_FORMAT,
     CHECKSUM_SUFFIX,
@@ -38,7 +38,7 @@ from solosave._src.formats.dcp import (
     local_file_problem,
     ranges_by_file,
 )
-from solosave._src.index.reader import IndexStale, IndexUnusable, LoadIndex
+from solosave._src.index.reader import LoadIndex
 from solosave._src.load.load import parse_metadata, read_metadata_bytes
 from solosave._src.plan.layout import check_results_cover
 from solosave._src.prepared.prepared import infer_world_workers, load_prepared_metadata
@@ -66,7 +66,7 @@ class VerifyReport:
     #: None (not asked), "matches" or "differs".
     prepared: str | None
     problems: tuple[str, ...] = field(default_factory=tuple)
-    #: The load index: None (none, or a URL), "matches", "stale", "differs" or "damaged".
+    #: The load index: None (none), "matches", "stale", "differs" or "damaged".
     index: str | None = None
     #: Records whose CRC32 differs from the recorded one.
     checksum_mismatches: int = 0
@@ -259,12 +259,13 @@ def compare_with_prepared(md: Metadata, prepared_path: str | os.PathLike,
     return problems
 
 
-def check_index(directory: str, md: Metadata) -> tuple[str | None, list[str]]:
-    """Step 5: the load index's status and its problems (none where the storage keeps no index)."""
+def check_index(directory: str, md: Metadata, storage: Storage | None = None) -> tuple[str | None, list[str]]:
+    """Step 5: the load index's status and its problems (none where the storage keeps no index);
+    ``storage``: the directory's, when it is not local files (the index is read by ranges)."""
     if not backend_for(directory).load_index:
         return None, []
     try:
-        idx = LoadIndex.open(directory)
+        idx = LoadIndex.open(directory, storage)
         if idx is None:
             return None, []
         with idx:
@@ -308,7 +309,7 @@ def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | 
         diffs = compare_with_prepared(md, prepared, storage_options)
         prepared_status = "differs" if diffs else "matches"
         problems += diffs
-    index_status, index_problems = check_index(directory, md)
+    index_status, index_problems = check_index(directory, md, storage)
     problems += index_problems
     files = {rel: max(off + n for off, n, _ in rs) for rel, rs in sorted(per_file.items())}
     return VerifyReport(directory, len(md.state_dict_metadata), len(results), files, tally.status, tally.matched,

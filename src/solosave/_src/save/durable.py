@@ -1,0 +1,284 @@
+"""The durable stage of two tiers (background: worker process or thread, every rank).
+
+With ``durable_root`` a save to ``.../NAME`` is published on the fast tier exactly as without it;
+then the engine hands the rank's :class:`Copier` a :class:`CopyTask` and reports the fast
+publication at once: the training loop never waits for the durable copy. The copier runs its
+tasks one at a time, in save order, on a thread of its own, over a channel of its own (a second
+gloo group: its collectives never interleave with a save's). Who calls what, per task, in order
+(every rank's copier runs the same tasks: a task exists exactly for each save published on the
+fast tier, which every rank knows alike):
+
+1. every rank: refuse a published ``<durable>/.metadata`` unless the save was ``overwrite``,
+   remove it otherwise (never an old ``.metadata`` beside new data), then copy its own data
+   files (and their checksum sidecars) from the fast tier, streamed, one thread per file
+   (:func:`~solosave._src.storage.copy.stream_into` into the writer's data file: on S3 a
+   concurrent multipart upload);
+2. every rank: **one** 8-byte ``all_reduce`` of the status word (ok / failed, and the task's
+   identity: ranks copying different saves are out of step);
+3. agreed ok: the coordinator copies the load index and ``.metadata`` (their ``checkpoint_id``
+   re-pointed at the durable directory), ``.metadata`` last, atomically, and posts a receipt
+   (a store key, not a collective) that the other ranks wait for; agreed failed: every rank
+   all-gathers the errors (failure path only) and nothing is published on the durable tier;
+4. every rank posts the task's :class:`~solosave._src.coordination.protocol.DurableOutcome`
+   (``post``: to the trainer), the same ``ok`` and failures on every rank.
+
+A failed copy never touches the fast copy, and the next task runs normally. A failed collective
+(a peer's worker died or timed out) leaves the copier **broken**: later tasks fail at once,
+without a collective, naming the reason (the checkpointer must be recreated, as for the engine).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from solosave._src.coordination.channel import Channel
+from solosave._src.coordination.protocol import (
+    DurableOutcome,
+    SaveIdentity,
+    Status,
+    decode_status,
+    encode_status,
+    save_identity,
+)
+from solosave._src.core.errors import ChannelError, IndexUnusable, OutOfStep, describe
+from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE, checksum_path
+from solosave._src.formats.metadata_template import replace_checkpoint_id
+from solosave._src.index.writer import shifted
+from solosave._src.save.writer import FileWriter
+from solosave._src.storage.copy import stream_into
+from solosave._src.storage.registry import backend_for, storage_for
+
+#: Copies queued or running at once per rank; a save whose copy would exceed it first waits (in
+#: the background, before its own write) for the oldest to end, so the fast tier holds at most
+#: this many checkpoints that wait for their copy.
+MAX_PENDING = 2
+
+
+def durable_directory(root: str, directory: str) -> str:
+    """``<root>/<name of directory>``: where the save to ``directory`` is copied."""
+    return backend_for(root).join(backend_for(root).normalize(root), backend_for(directory).basename(directory))
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTask:
+    """One save's durable copy on this rank: its fast ``source`` directory, its durable
+    ``target``, the files of this rank to copy (relative names) and when it was queued."""
+
+    seq: int
+    source: str
+    target: str
+    files: tuple[str, ...]
+    overwrite: bool = False
+    queued_at: float = 0.0
+
+    @property
+    def identity(self) -> SaveIdentity:
+        return save_identity(self.seq, self.target)
+
+
+class Copier:
+    """Runs this rank's durable copies (see the module docstring) on one daemon thread, started by
+    the first :meth:`submit`. ``post(outcome)`` is called on that thread once per task (set by
+    the transport before the first save; its errors are ignored: the trainer may be gone)."""
+
+    def __init__(self, channel: Channel, writer: FileWriter, storage_options: Mapping[str, Any] | None = None,
+                 files_at_once: int = 1) -> None:
+        self.channel = channel
+        self.writer = writer
+        self.storage_options = storage_options
+        self.files_at_once = max(files_at_once, 1)
+        self.post: Callable[[DurableOutcome], None] | None = None
+        self._cond = threading.Condition()
+        self._queue: deque[CopyTask] = deque()
+        self._running: CopyTask | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._last_receipt: int | None = None
+        #: Why the durable channel cannot be used any more.
+        self.broken: str | None = None
+
+    # -- the engine's side ----------------------------------------------------------------------
+    def submit(self, task: CopyTask) -> None:
+        with self._cond:
+            if self._closing:
+                return
+            self._queue.append(task)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="solosave-durable", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def pending(self) -> int:
+        """Tasks queued or running."""
+        with self._cond:
+            return len(self._queue) + (self._running is not None)
+
+    def busy_with(self, directory: str) -> bool:
+        """Whether a task queued or running reads ``directory`` (a save about to rewrite it waits)."""
+        with self._cond:
+            return any(t.source == directory for t in (*self._queue, self._running) if t is not None)
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait (bounded) until ``predicate()`` holds; it is checked whenever a task ends."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 1.0))
+            return True
+
+    def close(self, timeout: float) -> None:
+        """Drop the tasks not started, stop the running one between two chunks (its upload is
+        abandoned: nothing is published), and wait for the thread, at most ``timeout`` s."""
+        with self._cond:
+            self._closing = True
+            self._queue.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    # -- the copier's thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing)
+                if self._closing:
+                    return
+                task = self._running = self._queue.popleft()
+            try:
+                outcome = self.copy(task)
+            except BaseException as e:  # noqa: BLE001 - a bug: reported as this task's failure
+                outcome = DurableOutcome(task.seq, False, task.target, {self.channel.rank: describe(e)},
+                                         started_at=task.queued_at, finished_at=time.time())
+            try:
+                if self.post is not None and not self._closing:
+                    self.post(outcome)
+            except Exception:  # noqa: BLE001, S110 - the trainer is gone: nothing to tell
+                pass
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
+    def copy(self, task: CopyTask) -> DurableOutcome:
+        """Run one task on this rank (every rank runs it; see the module docstring)."""
+        ch = self.channel
+        mark = ch.counter.mark()
+        copied, failures = 0, {}
+        if self.broken is not None:
+            failures = {ch.rank: self.broken}
+        else:
+            error = None
+            try:
+                copied = self._copy_files(task)
+            except Exception as e:  # noqa: BLE001 - becomes status FAILED on every rank
+                error = f"copying to {task.target} failed: {describe(e)}"
+            try:
+                failures, published = self._agree(task, error)
+                copied += published
+            except (ChannelError, OutOfStep) as e:
+                self.broken = (f"the durable channel failed during the copy to {task.target} ({e}): another "
+                               "rank's worker died or did not answer in time; later durable copies fail at once: "
+                               "close() this checkpointer and create a new AsyncCheckpointer on every rank")
+                failures = {ch.rank: self.broken}
+        return DurableOutcome(task.seq, not failures, task.target, failures, copied,
+                              tuple(ch.counter.since(mark)), task.queued_at, time.time())
+
+    def _agree(self, task: CopyTask, error: str | None) -> tuple[dict[int, str], int]:
+        """Steps 2-3: the status word, then publication (ok) or the errors (failed)."""
+        ch = self.channel
+        status = Status.OK if error is None else Status.FAILED
+        agreed = decode_status(ch.all_reduce_and(encode_status(status, task.identity)), task.identity)
+        if agreed is None:
+            raise OutOfStep(f"this rank's durable copy of save {task.seq} met another rank's copy of a "
+                            "different save in the status all_reduce")
+        if agreed != Status.OK:
+            reports = ch.all_gather_object(error)
+            return {r: e for r, e in enumerate(reports) if e is not None}, 0
+        published, error = 0, None
+        if ch.is_coordinator:
+            try:
+                published = publish_copy(task.source, task.target, self.storage_options, self.writer.fsync)
+            except Exception as e:  # noqa: BLE001 - reported to every rank through the receipt
+                error = f"publishing the durable copy {task.target} failed: {describe(e)}"
+            ch.post_receipt(task.seq, error, previous=self._last_receipt)
+        else:
+            error = ch.wait_receipt(task.seq, ch.timeout)
+        self._last_receipt = task.seq
+        return ({} if error is None else {ch.coordinator: error}), published
+
+    def _copy_files(self, task: CopyTask) -> int:
+        """Step 1 on this rank; returns the bytes copied."""
+        src = storage_for(task.source, self.storage_options)
+        dst = storage_for(task.target, self.storage_options)
+        dst.makedirs(task.target)
+        marker = dst.join(task.target, METADATA_FILE)
+        if dst.exists(marker):
+            if not task.overwrite:
+                raise FileExistsError(f"{task.target} already holds a complete checkpoint, which a durable copy "
+                                      "never replaces unless the save passed overwrite=True; remove it or save "
+                                      "under another name")
+            dst.remove(marker)
+        if not self.writer.checksums:  # a stale sidecar of a replaced copy would mislead verify
+            for rel in task.files:
+                dst.remove(checksum_path(dst.join(task.target, rel)))
+
+        def one(rel: str) -> int:
+            out = self.writer.open(dst.join(task.target, rel))
+            try:
+                n = stream_into(src, src.join(task.source, rel), out, stop=lambda: self._closing)
+            except BaseException:
+                out.close()  # abandoned: an upload is aborted, nothing appears
+                raise
+            self.writer.close(out)
+            return n
+
+        if len(task.files) <= 1 or self.files_at_once == 1:
+            return sum(one(rel) for rel in task.files)
+        with ThreadPoolExecutor(min(self.files_at_once, len(task.files)), thread_name_prefix="solosave-copy") as pool:
+            futures = [pool.submit(one, rel) for rel in task.files]
+            errors, total = [], 0
+            for f in futures:
+                try:
+                    total += f.result()
+                except Exception as e:  # noqa: BLE001 - the first is raised after every file ended
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+            return total
+
+
+def publish_copy(source: str, target: str, storage_options: Mapping[str, Any] | None = None,
+                 fsync: bool = True) -> int:
+    """Coordinator, step 3: the fast copy's load index (where the durable backend keeps one) and
+    ``.metadata``, their ``checkpoint_id`` re-pointed at ``target`` (the same ``save_id``), written
+    to ``target`` by commits, ``.metadata`` last. Returns the bytes written."""
+    src = storage_for(source, storage_options)
+    dst = storage_for(target, storage_options)
+    md = src.read(src.join(source, METADATA_FILE))
+    moved = replace_checkpoint_id(md, source, target)
+    delta = 0 if moved is None else len(moved) - len(md)
+    md = md if moved is None else moved
+    written = 0
+    if dst.load_index:
+        try:
+            index = shifted(src.read(src.join(source, INDEX_FILE)), delta)
+        except (FileNotFoundError, IndexUnusable):  # loads there read .metadata; a stale index is not used
+            index = None
+        if index is not None:
+            dst.commit(dst.join(target, INDEX_FILE), index, fsync=fsync)
+            written += len(index)
+    dst.commit(dst.join(target, METADATA_FILE), md, fsync=fsync)
+    return written + len(md)
+
+
+__all__ = ["MAX_PENDING", "CopyTask", "Copier", "durable_directory", "publish_copy"]

@@ -1,0 +1,79 @@
+"""Two tiers (issue 33): every save is published on the fast tier as before, then copied to the
+durable root in the background and published there once every rank's copy succeeded; a failed
+or killed copy never unpublishes the fast copy and the next copy succeeds (gloo on 127.0.0.1)."""
+
+import time
+
+import pytest
+
+from tests.multiproc import tier_fns
+from tests.support import run_ranks, run_ranks_tolerant
+
+pytestmark = pytest.mark.timeout(240)
+TIMEOUT = 30.0
+
+
+def test_copies_follow_publication_and_add_one_all_reduce(tmp_path):
+    out = run_ranks(tier_fns.copy_and_count, 2, str(tmp_path), TIMEOUT, timeout=200)
+    for o in out:
+        assert o["modes"] == ["create", "reuse", "reuse"]
+        # the fast part of a steady save is unchanged: one 8-byte all_reduce
+        assert o["fast"][1] == o["fast"][2] == {"all_reduce": {"count": 1, "bytes": 8}}
+        # the durable stage adds exactly one 8-byte all_reduce (on its own channel) per save
+        assert [d["calls"] for d in o["durable"]] == [[("all_reduce", 8)]] * 3
+        assert all(d["ok"] and d["error"] is None for d in o["durable"])
+        assert [d["path"] for d in o["durable"]] == [str(tmp_path / "durable" / f"iter_{s}") for s in range(3)]
+        assert o["pending_while_next_published"]  # the next save's publication did not wait for the copy
+        assert o["equal"] and o["fast_loads"] and o["durable_loads"] and o["index_ok"]
+        assert o["checkpoint_id"] == str(tmp_path / "durable" / "iter_2")
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_failed_copy_is_reported_on_every_rank_and_the_next_copy_succeeds(tmp_path, persistent):
+    out = run_ranks(tier_fns.failed_copy, 2, str(tmp_path), TIMEOUT, persistent, timeout=200)
+    for o in out:
+        assert all(o[s]["published"] for s in range(3))  # the fast tier: every save published
+        assert o[0]["ok"] and o[2]["ok"] and not o[1]["ok"]
+        assert o[1]["failures"] == [1] and "injected: the durable storage failed" in o[1]["error"]
+        assert o[1]["calls"] == ["all_reduce", "all_gather_object"]  # the errors travel on failure only
+        assert o["fast_1_loads"] and not o["durable_1_published"] and o["durable_2_loads"]
+    assert out[0][1]["error"] == out[1][1]["error"]
+
+
+def test_worker_killed_mid_copy_leaves_the_fast_copy_and_the_next_copy_succeeds(tmp_path, case_log):
+    victim = 1
+    t0 = time.monotonic()
+    res = run_ranks_tolerant(tier_fns.killed_mid_copy, 2, str(tmp_path), victim, TIMEOUT, timeout=220)
+    bad = {r: v for r, v in res.items() if v[0] != "ok"}
+    assert not bad, bad
+    out = {r: v[1] for r, v in res.items()}
+    for r, o in out.items():
+        assert o["copy_0"] and o["fast_1"] and o["fast_1_loads"]
+        assert not o["copy_1"]["ok"] and o["copy_1"]["after_s"] < TIMEOUT + 10, o["copy_1"]
+        assert not o["durable_1_published"]
+        assert o["copy_2"] == {"ok": True, "error": None} and o["durable_2_loads"]
+    assert "worker died" in out[victim]["copy_1"]["error"]
+    assert "durable channel failed" in out[0]["copy_1"]["error"]
+    case_log("two tiers: worker SIGKILLed mid-copy to the durable tier (ws=2, rank 1)",
+             f"the fast copy stays published and loads; no durable .metadata; every rank's copy result "
+             f"failed within {max(o['copy_1']['after_s'] for o in out.values())} s; after recreating the "
+             "checkpointers the next save's durable copy succeeds and loads", time.monotonic() - t0)
+
+
+def test_every_rank_restores_from_the_same_tier_bit_exactly(tmp_path):
+    out = run_ranks(tier_fns.restore_tiers, 2, str(tmp_path), TIMEOUT, timeout=220)
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    for o in out:
+        assert o["copies"] == [(1, True), (2, True), (3, False)]
+        # the newest step is on the fast tier only: restored from there
+        assert o["whole"] == {"point": (3, f"{fast}/iter_0000003"), "load": f"{fast}/iter_0000003", "exact": True}
+        assert o["whole_2"]["load"] == f"{fast}/iter_0000002" and o["whole_2"]["exact"]
+        # one rank misses its shard on its fast tier: every rank reads the durable copy
+        assert o["one_rank_missing"]["load"] == f"{durable}/iter_0000002" and o["one_rank_missing"]["exact"]
+        assert o["one_rank_missing"]["point"] == (2, f"{durable}/iter_0000002")
+        # step 3 is complete nowhere for every rank: the newest restorable is step 2, from durable
+        assert o["one_rank_missing_3"] == (2, f"{durable}/iter_0000002")
+        assert o["fast_gone"] == {"point": (2, f"{durable}/iter_0000002"), "load": f"{durable}/iter_0000002",
+                                  "exact": True}
+        assert o["manager"] == (2, f"{durable}/iter_0000002")
+    assert out[0] == out[1]

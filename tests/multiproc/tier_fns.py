@@ -1,0 +1,229 @@
+"""Rank functions of tests/multiproc/test_tiers.py (module-level: the ranks and their workers
+import them): two tiers, a fast directory and a durable root, on local paths."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import solosave
+from solosave._src.testing.introspect import worker_pid
+from tests.support import assert_equal, wait_until, zeros_like
+from tests.support import fresh as _fresh
+
+
+def state(rank: int, step: int) -> dict:
+    """About 0.5 MiB per rank, every kind of item: a rank's own tensors, a replicated one, bytes."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"own": {f"r{rank}": torch.randn(256, 256, generator=g)}, "shared": torch.arange(64.0) + step,
+            "step": step, "name": f"run-{step}"}
+
+
+class TierWriter(solosave.FileWriter):
+    """Writes normally, except for the durable copy (a path under ``durable``) of the checkpoint
+    named ``target``, on rank ``rank``:
+
+    * ``"gate"``: wait (bounded) until the file ``gate`` exists before copying;
+    * ``"fail"``: the copy's write past its first 1000 bytes fails (an ``OSError``);
+    * ``"block"``: create ``marker``, then sleep (the test kills the worker meanwhile).
+
+    Every action applies to data files only (not ``.metadata``, which the coordinator commits)."""
+
+    def __init__(self, durable: str, target: str | None = None, rank: int | None = None, action: str = "",
+                 gate: str | None = None, marker: str | None = None) -> None:
+        super().__init__()
+        self.durable, self.target, self.rank, self.action = durable, target, rank, action
+        self.gate, self.marker = gate, marker
+
+    def open(self, path: str):  # noqa: ANN201 - a DataFile
+        out = super().open(path)
+        hit = (path.startswith(self.durable) and os.path.basename(os.path.dirname(path)) == self.target
+               and (self.rank is None or os.path.basename(path).startswith(f"__{self.rank}_")))
+        if not hit:
+            return out
+        if self.action == "gate":
+            if not wait_until(lambda: os.path.exists(self.gate), timeout=60):
+                raise TimeoutError("the test never opened the gate")
+        elif self.action == "block":
+            with open(self.marker + ".tmp", "w"):
+                pass
+            os.replace(self.marker + ".tmp", self.marker)
+            time.sleep(120)
+        elif self.action == "fail":
+            write = out.write
+
+            def failing(b):
+                if out.tell() + len(b) > 1000:
+                    raise OSError(5, "injected: the durable storage failed mid-copy")
+                return write(b)
+
+            out.write = failing
+        return out
+
+
+def _copies_equal(fast: str, durable: str) -> bool:
+    """The durable copy holds the fast copy's data files byte for byte."""
+    for name in sorted(os.listdir(fast)):
+        if name.endswith(".distcp"):
+            with open(os.path.join(fast, name), "rb") as a, open(os.path.join(durable, name), "rb") as b:
+                if a.read() != b.read():
+                    return False
+    return True
+
+
+def _loads(sd: dict, path: str, **kw) -> bool:
+    got = zeros_like(sd)
+    solosave.load(got, path, **kw)
+    assert_equal(sd, got)
+    return True
+
+
+def copy_and_count(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """Create then reuse saves with a durable root: the fast result comes first (a copy held at a
+    gate does not delay the next save's publication), then the copies; collectives counted."""
+    _fresh(root)
+    fast, durable, gate = f"{root}/fast", f"{root}/durable", f"{root}/gate"
+    writer = TierWriter(durable, "iter_1", None, "gate", gate=gate)
+    out: dict = {"fast": [], "durable": [], "modes": []}
+    with solosave.AsyncCheckpointer(prepared_metadata=f"{root}/p.md", create_prepared_metadata=True,
+                                    durable_root=durable, timeout=timeout, writer=writer) as ck:
+        results = []
+        for step in range(3):
+            r = ck.save(state(rank, step), f"{fast}/iter_{step}").wait(timeout)
+            results.append(r)
+            out["modes"].append(r.mode)
+            out["fast"].append(r.collectives())
+            if step == 2:  # iter_2 published on the fast tier while iter_1's copy waits at its gate
+                out["pending_while_next_published"] = not results[1].durable.done()
+        dist.barrier()
+        if rank == 0:
+            open(gate, "w").close()
+        for r in results:
+            d = r.durable.wait(timeout)
+            out["durable"].append({"ok": d.ok, "path": d.path, "calls": [(c.kind, c.payload_bytes) for c in d.collectives],
+                                   "error": d.error})
+    dist.barrier()
+    out["equal"] = all(_copies_equal(f"{fast}/iter_{s}", f"{durable}/iter_{s}") for s in range(3))
+    out["fast_loads"] = _loads(state(rank, 2), f"{fast}/iter_2")
+    out["durable_loads"] = _loads(state(rank, 2), f"{durable}/iter_2")
+    from solosave._src.index.reader import LoadIndex
+
+    idx = LoadIndex.open(f"{durable}/iter_2")  # re-pointed: it belongs to the durable .metadata
+    out["index_ok"] = idx is not None
+    if idx is not None:
+        idx.close()
+    md = solosave.load_prepared_metadata(f"{durable}/iter_2").metadata
+    out["checkpoint_id"] = md.storage_meta.checkpoint_id
+    return out
+
+
+def failed_copy(rank: int, ws: int, root: str, timeout: float, persistent: bool) -> dict:
+    """The durable copy of iter_1 fails on rank 1: reported on every rank, the fast copy stays
+    published and loads, nothing is published on the durable tier; iter_2's copy succeeds.
+    ``persistent``: a worker process per rank, else a thread of the trainer."""
+    _fresh(root)
+    fast, durable = f"{root}/fast", f"{root}/durable"
+    writer = TierWriter(durable, "iter_1", 1, "fail")
+    out: dict = {}
+    with solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, timeout=timeout,
+                                    writer=writer, persistent_worker=persistent) as ck:
+        for step in range(3):
+            r = ck.save(state(rank, step), f"{fast}/iter_{step}").wait(timeout)
+            d = r.durable.wait(timeout)
+            out[step] = {"mode": r.mode, "published": r.published, "ok": d.ok, "failures": sorted(d.failures),
+                         "error": d.error, "calls": [c.kind for c in d.collectives]}
+    dist.barrier()
+    out["fast_1_loads"] = _loads(state(rank, 1), f"{fast}/iter_1")
+    out["durable_1_published"] = os.path.exists(f"{durable}/iter_1/.metadata")
+    out["durable_2_loads"] = _loads(state(rank, 2), f"{durable}/iter_2")
+    return out
+
+
+def killed_mid_copy(rank: int, ws: int, root: str, victim: int, timeout: float) -> dict:
+    """iter_0 is copied; during iter_1's copy the victim's worker is SIGKILLed (its copy blocked
+    after it started). Then every rank recreates its checkpointer and saves iter_2."""
+    _fresh(root)
+    fast, durable, marker = f"{root}/fast", f"{root}/durable", f"{root}/marker"
+    writer = TierWriter(durable, "iter_1", victim, "block", marker=marker)
+    out: dict = {}
+    ck = solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, timeout=timeout,
+                                    writer=writer)
+    r0 = ck.save(state(rank, 0), f"{fast}/iter_0").wait(timeout)
+    out["copy_0"] = r0.durable.wait(timeout).ok
+    r1 = ck.save(state(rank, 1), f"{fast}/iter_1").wait(timeout)  # published on the fast tier
+    out["fast_1"] = r1.published
+    t0 = time.monotonic()
+    if rank == victim:
+        if not wait_until(lambda: os.path.exists(marker), timeout=60):
+            raise AssertionError("the victim's copy never started")
+        os.kill(worker_pid(ck), signal.SIGKILL)
+    d1 = r1.durable.wait(timeout + 10)
+    out["copy_1"] = {"ok": d1.ok, "error": d1.error, "after_s": round(time.monotonic() - t0, 2)}
+    ck.close(timeout)
+    dist.barrier()
+    out["durable_1_published"] = os.path.exists(f"{durable}/iter_1/.metadata")
+    out["fast_1_loads"] = _loads(state(rank, 1), f"{fast}/iter_1")
+    with solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, timeout=timeout) as ck2:
+        r2 = ck2.save(state(rank, 2), f"{fast}/iter_2").wait(timeout)
+        d2 = r2.durable.wait(timeout)
+    out["copy_2"] = {"ok": d2.ok, "error": d2.error}
+    dist.barrier()
+    out["durable_2_loads"] = _loads(state(rank, 2), f"{durable}/iter_2")
+    return out
+
+
+def restore_tiers(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """Steps 1-3 saved with a durable root (step 3's copy fails); then every rank restores, with
+    the fast tier whole, with one rank's shard missing from its own view of the fast tier (a
+    node-local fast tier: rank 1 looks at a copy of it), and with the fast tier gone. Each load
+    is checked bit for bit; each choice is returned, to compare across ranks."""
+    import shutil
+
+    from solosave.integrations import CheckpointManager, find_restore_point
+
+    _fresh(root)
+    fast, durable = f"{root}/fast", f"{root}/durable"
+    writer = TierWriter(durable, "iter_0000003", 1, "fail")
+    ck = solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, timeout=timeout,
+                                    writer=writer)
+    manager = CheckpointManager(fast, ck)
+    for step in (1, 2, 3):
+        manager.save(step, state(rank, step))
+    manager.finish()
+    out: dict = {"copies": [(d.step, d.result.ok) for d in manager.durable_done]}
+    dist.barrier()
+
+    def restore(fast_dir: str, step: int, label: str) -> None:
+        sd = zeros_like(state(rank, step))
+        out[label] = {"point": find_restore_point(fast_dir, durable), "load": solosave.load(
+            sd, f"{fast_dir}/iter_{step:07d}", durable_root=durable)}
+        out[label]["exact"] = _loads(state(rank, step), out[label]["load"])
+
+    restore(fast, 3, "whole")  # step 3 is on the fast tier only; complete: restored from there
+    restore(fast, 2, "whole_2")
+    # rank 1's own view of the fast tier misses its shard of step 3 and step 2
+    mine = fast if rank == 0 else f"{root}/fast-rank1"
+    if rank == 1:
+        shutil.copytree(fast, mine)
+        for step in (2, 3):
+            os.remove(f"{mine}/iter_{step:07d}/__1_0.distcp")
+    dist.barrier()
+    restore(mine, 2, "one_rank_missing")
+    out["one_rank_missing_3"] = find_restore_point(mine, durable)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(fast)  # the node's fast tier is gone
+    dist.barrier()
+    restore(fast, 2, "fast_gone")
+    got = zeros_like(state(rank, 2))
+    manager2 = CheckpointManager(fast, solosave.AsyncCheckpointer(durable_root=durable, timeout=timeout))
+    try:
+        out["manager"] = manager2.restore(got)
+        assert_equal(state(rank, 2), got)
+    finally:
+        manager2.finish()
+    return out

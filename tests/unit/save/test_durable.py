@@ -1,0 +1,240 @@
+"""The durable stage of two tiers without processes: the copier's protocol on W threads joined by
+in-process channels, the streamed copy, and the re-pointed ``.metadata`` and load index."""
+
+import argparse
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from solosave._src.coordination.protocol import EngineSettings
+from solosave._src.core.errors import OptionError
+from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
+from solosave._src.formats.metadata_template import MetadataTemplate, replace_checkpoint_id
+from solosave._src.index.reader import LoadIndex
+from solosave._src.index.writer import body_from_metadata, render, shifted
+from solosave._src.save.durable import Copier, CopyTask, durable_directory
+from solosave._src.save.engine import Engine
+from solosave._src.save.options import CheckpointerOptions, add_option_flags, options_from_args
+from solosave._src.save.session import SaveSession
+from solosave._src.save.writer import FileWriter
+from solosave._src.storage.copy import stream_into
+from solosave._src.storage.local import LocalStorage
+from solosave._src.testing.introspect import job_for
+from solosave._src.testing.local_channel import local_channels
+from tests.support import dcp_save_local
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_durable_root_option_and_its_flag():
+    p = argparse.ArgumentParser()
+    add_option_flags(p)
+    args = p.parse_args(["--ckpt-durable-root", "s3://bucket/run"])
+    assert options_from_args(args).durable_root == "s3://bucket/run"
+    assert CheckpointerOptions().durable_root is None
+    with pytest.raises(OptionError, match="durable_root must be a directory path or a URL"):
+        CheckpointerOptions(durable_root=3)
+    assert durable_directory("s3://b/run/", "/nvme/ckpt/iter_0000100") == "s3://b/run/iter_0000100"
+    assert durable_directory("/lustre/run", "s3://b/x/iter_1/") == "/lustre/run/iter_1"
+
+
+def _published(tmp_path, name="fast"):
+    """A DCP checkpoint whose .metadata and load index were published as a solosave save does."""
+    d = tmp_path / name
+    dcp_save_local({"w": torch.arange(12.0).reshape(3, 4), "step": 7}, checkpoint_id=str(d))
+    import pickle
+
+    with open(d / METADATA_FILE, "rb") as f:
+        md = pickle.load(f)
+    template = MetadataTemplate(md)
+    (d / INDEX_FILE).write_bytes(render(body_from_metadata(md), template, str(d), "the-save-id"))
+    (d / METADATA_FILE).write_bytes(template.render(str(d), "the-save-id"))
+    return d
+
+
+def test_repointed_metadata_and_index_belong_together(tmp_path):
+    fast = _published(tmp_path)
+    durable = tmp_path / "a-much-longer-durable-directory-name"
+    durable.mkdir()
+    data = (fast / METADATA_FILE).read_bytes()
+    moved = replace_checkpoint_id(data, str(fast), str(durable))
+    assert moved is not None and len(moved) - len(data) == len(str(durable)) - len(str(fast))
+    (durable / METADATA_FILE).write_bytes(moved)
+    (durable / INDEX_FILE).write_bytes(shifted((fast / INDEX_FILE).read_bytes(), len(moved) - len(data)))
+    import pickle
+
+    md = pickle.loads(moved)
+    assert md.storage_meta.checkpoint_id == str(durable) and md.storage_meta.save_id == "the-save-id"
+    with LoadIndex.open(durable) as idx:  # its header matches the durable .metadata
+        assert set(idx.keys) == {"w", "step"}
+    (durable / INDEX_FILE).write_bytes((fast / INDEX_FILE).read_bytes())  # not shifted: stale there
+    with pytest.raises(Exception, match="belongs to another"):
+        LoadIndex.open(durable)
+    assert replace_checkpoint_id(data, "/not/its/id", "/x") is None
+
+
+class Recording:
+    """A data file that records the size of every write."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def write(self, b):
+        self.sizes.append(len(b))
+        return len(b)
+
+
+def test_stream_into_copies_in_bounded_chunks_and_stops(tmp_path):
+    src = tmp_path / "f"
+    src.write_bytes(os.urandom(3 * 1000 + 500))
+    out = Recording()
+    assert stream_into(LocalStorage(), str(src), out, chunk=1000) == 3500
+    assert out.sizes == [1000, 1000, 1000, 500]
+    with pytest.raises(InterruptedError, match="stopped after 0 bytes"):
+        stream_into(LocalStorage(), str(src), Recording(), chunk=1000, stop=lambda: True)
+
+
+class FailingCopyWriter(FileWriter):
+    """Fails the durable copy of ``rank``'s files (the copier opens them through the writer)."""
+
+    def __init__(self, rank):
+        super().__init__(fsync=False)
+        self.rank = rank
+
+    def open(self, path):
+        if "durable" in path and os.path.basename(path).startswith(f"__{self.rank}_"):
+            raise OSError(28, "No space left on device (injected)", path)
+        return super().open(path)
+
+
+def _run_copies(copiers, tasks):
+    out = [None] * len(copiers)
+
+    def rank(r):
+        out[r] = copiers[r].copy(tasks[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(copiers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(o is not None for o in out), "a rank did not finish"
+    return out
+
+
+def _fake_fast(tmp_path, world):
+    fast = _published(tmp_path, "fast")
+    for r in range(world):  # each rank's own file (the copier copies whatever files it is given)
+        (fast / f"__{r}_0.distcp").write_bytes(bytes([r]) * (1000 + r))
+    return fast
+
+
+def test_copier_publishes_only_after_every_rank_copied(tmp_path):
+    world = 3
+    fast = _fake_fast(tmp_path, world)
+    target = str(tmp_path / "durable" / "fast")
+    tasks = [CopyTask(1, str(fast), target, (f"__{r}_0.distcp",)) for r in range(world)]
+    copiers = [Copier(ch, FileWriter(fsync=False)) for ch in local_channels(world)]
+    outs = _run_copies(copiers, tasks)
+    assert all(o.ok and not o.failures for o in outs)
+    assert [[c.kind for c in o.collectives] for o in outs] == [["all_reduce"]] * world
+    for r in range(world):
+        assert (tmp_path / "durable" / "fast" / f"__{r}_0.distcp").read_bytes() == bytes([r]) * (1000 + r)
+    import pickle
+
+    md = pickle.loads((tmp_path / "durable" / "fast" / METADATA_FILE).read_bytes())
+    assert md.storage_meta.checkpoint_id == target
+    assert LoadIndex.open(target) is not None
+
+
+def test_a_failed_copy_publishes_nothing_and_every_rank_learns_why(tmp_path):
+    world = 3
+    fast = _fake_fast(tmp_path, world)
+    target = str(tmp_path / "durable" / "fast")
+    tasks = [CopyTask(4, str(fast), target, (f"__{r}_0.distcp",)) for r in range(world)]
+    copiers = [Copier(ch, FailingCopyWriter(2)) for ch in local_channels(world)]
+    outs = _run_copies(copiers, tasks)
+    assert not any(o.ok for o in outs) and all(sorted(o.failures) == [2] for o in outs)
+    assert "No space left on device (injected)" in outs[0].failures[2]
+    assert [c.kind for c in outs[1].collectives] == ["all_reduce", "all_gather_object"]
+    assert not os.path.exists(os.path.join(target, METADATA_FILE))
+    # the copiers are fine: the next task (without the fault) publishes
+    for c in copiers:
+        c.writer = FileWriter(fsync=False)
+    assert all(o.ok for o in _run_copies(copiers, [CopyTask(5, str(fast), target, t.files) for t in tasks]))
+    assert os.path.exists(os.path.join(target, METADATA_FILE))
+
+
+def test_a_published_durable_copy_is_replaced_only_with_overwrite(tmp_path):
+    world = 2
+    fast = _fake_fast(tmp_path, world)
+    target = str(tmp_path / "durable" / "fast")
+    files = [(f"__{r}_0.distcp",) for r in range(world)]
+    copiers = [Copier(ch, FileWriter(fsync=False)) for ch in local_channels(world)]
+    assert all(o.ok for o in _run_copies(copiers, [CopyTask(1, str(fast), target, f) for f in files]))
+    outs = _run_copies(copiers, [CopyTask(2, str(fast), target, f) for f in files])
+    assert not any(o.ok for o in outs) and "already holds a complete checkpoint" in outs[0].failures[0]
+    assert os.path.exists(os.path.join(target, METADATA_FILE))  # the published copy is untouched
+    outs = _run_copies(copiers, [CopyTask(3, str(fast), target, f, overwrite=True) for f in files])
+    assert all(o.ok for o in outs)
+
+
+def test_a_dead_peer_breaks_the_copier_and_later_copies_fail_at_once(tmp_path):
+    world = 2
+    fast = _fake_fast(tmp_path, world)
+    target = str(tmp_path / "durable" / "fast")
+    channels = local_channels(world, timeout=1.0)
+    copier = Copier(channels[0], FileWriter(fsync=False))
+    out = copier.copy(CopyTask(1, str(fast), target, ("__0_0.distcp",)))  # rank 1 never shows up
+    assert not out.ok and "durable channel failed" in out.failures[0] and copier.broken
+    t0 = time.monotonic()
+    again = copier.copy(CopyTask(2, str(fast), target, ("__0_0.distcp",)))
+    assert not again.ok and again.failures == out.failures and not again.collectives
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_the_engine_queues_a_copy_per_published_save_and_reports_it(tmp_path):
+    """Two engines on threads: each published save names its durable copy at once; the copies'
+    outcomes arrive later through ``post``, in save order, one all_reduce each."""
+    world = 2
+    opts = CheckpointerOptions(persistent_worker=False, assume_constant_structure=True,
+                               durable_root=str(tmp_path / "durable"))
+    settings = EngineSettings(1, "fallback", None, None, opts.durable_root)
+    mains, durables = local_channels(world), local_channels(world)
+    engines = [Engine(mains[r], settings, FileWriter(fsync=False), durables[r]) for r in range(world)]
+    sessions = [SaveSession(r, world, opts, None) for r in range(world)]
+    posted = [[] for _ in range(world)]
+    for r, e in enumerate(engines):
+        e.copier.post = posted[r].append
+    outs = [[None] * world for _ in range(2)]
+
+    def rank(r):
+        for i in range(2):
+            sd = {"w": torch.arange(16.0) + i, f"r{r}": torch.full((4,), float(r))}
+            job = job_for(sessions[r], engines[r].io.reader, sd, str(tmp_path / "fast" / f"iter_{i}"))
+            outs[i][r] = engines[r].run(job)
+            sessions[r].absorb(outs[i][r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        for i in range(2):
+            assert all(o.ok and o.durable == str(tmp_path / "durable" / f"iter_{i}") for o in outs[i])
+        deadline = time.monotonic() + 20
+        while any(len(p) < 2 for p in posted) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for p in posted:
+            assert [(o.seq, o.ok) for o in p] == [(1, True), (2, True)]
+            assert all([c.kind for c in o.collectives] == ["all_reduce"] for o in p)
+        assert os.path.exists(tmp_path / "durable" / "iter_1" / METADATA_FILE)
+    finally:
+        for s in sessions:
+            s.close()
+        for e in engines:
+            e.close()
