@@ -30,7 +30,7 @@ def s3():
     pytest.importorskip("s3fs", reason="s3fs is not installed: pip install 'solosave[s3]'")
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                             "AWS_DEFAULT_REGION")}
-    with s3_server() as (endpoint, env):
+    with s3_server(port=free_port()) as (endpoint, env):
         os.environ.update(env)
         try:
             yield endpoint, env
