@@ -44,7 +44,7 @@ train: $(TRAIN_DEPS)
 
 # The suite without the soaks, TEST_JOBS tests at a time (make test TEST_JOBS=0: one at a time).
 test: $(DEV_DEPS)
-	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_JOBS)
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadgroup
 
 lint: $(DEV_DEPS)
 	$(BIN)/ruff check src tests benchmarks tools

@@ -87,7 +87,7 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint",
-                                     "solosave", "support"])
+                                     "solosave", "tests.support"])
     return _CTX
 
 

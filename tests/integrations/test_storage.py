@@ -23,6 +23,10 @@ from solosave.cli import main as cli
 from tests.integrations import storage_fns
 from tests.support import dcp_save_local, free_port, run_ranks
 
+# One S3 server per module (the s3 fixture): its tests share one worker under pytest-xdist
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("s3_server")
+
 
 @pytest.fixture(scope="module")
 def s3():
