@@ -15,8 +15,9 @@ PIP := $(BIN)/pip install -q --no-compile
 
 TRAIN_DIR ?= runs/train
 # pytest-xdist processes for `make test`: most tests wait on process start-ups, deadlines and
-# other ranks, so twice the usable cores keeps the CPU busy without starving the ranks.
-TEST_JOBS ?= $(shell $(PY) -c "import os; print(2 * len(os.sched_getaffinity(0)))")
+# other ranks, so one and a half per usable core (3 on 2 cores) keeps the CPU busy without
+# starving the ranks of tests that run at once.
+TEST_JOBS ?= $(shell $(PY) -c "import os; n = len(os.sched_getaffinity(0)); print(max(2, n + n // 2))")
 
 .PHONY: train test test-slow lint wheel-smoke bench device-check test-torch-versions clean
 
