@@ -5,7 +5,10 @@ once per case they check. With ``SOLOSAVE_RELIABILITY_OUT=<file.json>`` set, eve
 its test's outcome (passed / failed / skipped and the reason), is written there at the end of the
 session; ``tools/reliability_table.py`` turns the file into the table in docs/reliability.md.
 
-Under pytest-xdist (``make test`` runs ``-n``) a test runs in a worker process: its rows travel
+Under pytest-xdist (``make test`` runs ``-n``) each worker process runs torch with one intra-op
+thread (``OMP_NUM_THREADS=1``, unless set), as torchrun does for each rank: several pytest
+processes share the cores, and idle OpenMP threads spinning beside the ranks of other tests
+would burn the CPU those ranks need. A test runs in a worker process: its rows travel
 to the controlling process inside the test's report (``user_properties``, which xdist sends
 back), and only the controlling process writes the file. Run alone, the same path is taken in
 one process.
@@ -15,9 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before any test module imports torch
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _ITEM_ROWS = pytest.StashKey[list]()
 _PROPERTY = "solosave_reliability_rows"  # the user_properties entry that carries a test's rows
@@ -78,6 +85,8 @@ class ReliabilityReport:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") and "torch" in sys.modules:  # imported before this file
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     path = os.environ.get("SOLOSAVE_RELIABILITY_OUT")
     if path:
         config.pluginmanager.register(ReliabilityReport(config, path), "solosave-reliability-report")

@@ -1,5 +1,6 @@
-"""The reliability report's rows (tests/conftest.py) survive pytest-xdist: rows logged by tests
-in worker processes reach the file that the controlling process writes."""
+"""tests/conftest.py under pytest-xdist: the reliability report's rows logged by tests in worker
+processes reach the file that the controlling process writes, and each worker runs torch with
+one intra-op thread."""
 
 import json
 import os
@@ -47,3 +48,22 @@ def test_rows_of_every_worker_reach_the_report(tmp_path, workers):
                and rows[f"case {i}"]["seconds"] == 0.5 for i in range(4))
     assert rows["failing case"]["outcome"] == "failed"
     assert rows["test_skipped"]["outcome"] == "skipped" and rows["test_skipped"]["observed"] == "no reason to run"
+
+
+THREADS = '''
+import os
+
+def test_threads():
+    import torch
+    assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1, torch.get_num_threads()
+'''
+
+
+def test_xdist_workers_run_torch_with_one_thread(tmp_path):
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed (requirements-dev.txt)")
+    shutil.copy(CONFTEST, tmp_path / "conftest.py")
+    (tmp_path / "test_threads.py").write_text(THREADS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != "OMP_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1", "test_threads.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
