@@ -1,45 +1,61 @@
 # Quick start: `make train` (the main job) and `make test` (the test suite). Both create the
-# virtual environment .venv on first use (torch pinned to the local CPU wheel, see
-# requirements-dev.txt).
+# virtual environment .venv on first use. `make train` installs only what the main job needs
+# (requirements-train.txt: torch pinned to the local CPU wheel, numpy, isal; then solosave);
+# `make test` and the other targets add the test, lint, benchmark, S3 and torchtitan extras on
+# top (requirements-dev.txt). Each set has its stamp file, so `make test` after `make train`
+# installs only the rest.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+TRAIN_DEPS := $(VENV)/.installed-train
+DEV_DEPS := $(VENV)/.installed-dev
+# --no-compile: no byte-compiling of every installed module (most of torch's are never imported
+# by the job; Python compiles those it imports on first use).
+PIP := $(BIN)/pip install -q --no-compile
 
 TRAIN_DIR ?= runs/train
+# pytest-xdist processes for `make test`: most tests wait on process start-ups, deadlines and
+# other ranks, so one and a half per usable core (3 on 2 cores) keeps the CPU busy without
+# starving the ranks of tests that run at once.
+TEST_JOBS ?= $(shell $(PY) -c "import os; n = len(os.sched_getaffinity(0)); print(max(2, n + n // 2))")
 
 .PHONY: train test test-slow lint wheel-smoke bench device-check test-torch-versions clean
 
-$(BIN)/solosave: pyproject.toml requirements-dev.txt
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements-dev.txt
+$(TRAIN_DEPS): pyproject.toml requirements-train.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) -r requirements-train.txt
+	$(PIP) --no-deps -e .
+	touch $@
+
+$(DEV_DEPS): $(TRAIN_DEPS) requirements-dev.txt
+	$(PIP) -r requirements-dev.txt
 	# torchtitan (tests/integrations/test_titan.py) without its declared dependencies: they add ~60 packages
 	# (wandb, datasets, tensorboard, pandas, pyarrow...) that its checkpointer never imports; the
 	# two it does import are pinned in requirements-dev.txt. Adds about 5 s; torch stays as pinned.
-	$(BIN)/pip install -q --no-deps torchtitan==0.3.0
-	$(BIN)/pip install -q --no-deps -e .
+	$(PIP) --no-deps torchtitan==0.3.0
 	touch $@
 
 # The main job: 2 ranks train a small GPT for 40 steps, saving every 5 steps asynchronously;
 # the first save creates the prepared metadata, every later one reuses it (one 8-byte all_reduce).
-train: $(BIN)/solosave
+train: $(TRAIN_DEPS)
 	rm -rf $(TRAIN_DIR)
 	$(BIN)/solosave train --nproc 2 --steps 40 --save $(TRAIN_DIR)/ckpt --save-interval 5 \
 		--async-save --use-persistent-ckpt-worker --ckpt-metadata $(TRAIN_DIR)/prepared.metadata \
 		--ckpt-metadata-create --keep-last 3 --json-log $(TRAIN_DIR)/saves.jsonl
 
-test: $(BIN)/solosave
-	$(BIN)/python -m pytest -q -m "not slow"
+# The suite without the soaks, TEST_JOBS tests at a time (make test TEST_JOBS=0: one at a time).
+test: $(DEV_DEPS)
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadgroup
 
-lint: $(BIN)/solosave
+lint: $(DEV_DEPS)
 	$(BIN)/ruff check src tests benchmarks tools
 
-test-slow: $(BIN)/solosave
+test-slow: $(DEV_DEPS)
 	$(BIN)/python -m pytest -q -m slow
 
 # The package as users get it: sdist, wheel built from it, installed into a fresh virtual
 # environment, a 2-rank job and `solosave verify` run from outside the repository.
-wheel-smoke: $(BIN)/solosave
+wheel-smoke: $(DEV_DEPS)
 	$(BIN)/python tools/wheel_smoke.py
 
 # On a machine with a GPU and the torch installed there (no venv, no install, no network): the
@@ -55,7 +71,7 @@ device-check:
 test-torch-versions:
 	tools/torch_versions.sh $(TORCH_VERSIONS)
 
-bench: $(BIN)/solosave
+bench: $(DEV_DEPS)
 	$(BIN)/python -m benchmarks --plots docs/img
 
 clean:

@@ -84,6 +84,29 @@ _PRINTERS = {"save": (rep.print_save, rep.plot_save), "scale": (rep.print_scale,
              "tiers": (tiers_bench.print_tiers, tiers_bench.plot_tiers)}
 
 
+def _emit(report: dict[str, Any], args: argparse.Namespace, out: Path, plots: Path) -> None:
+    """Write the JSON files, print the tables, then draw the plots: the results are on disk
+    before anything that needs the plotting library runs, and without it the plots are skipped
+    with one line saying why."""
+    if args.json and "scale" in report:
+        Path(args.json).write_text(json.dumps({"scale": scale_summary(report["scale"])}, indent=1))
+    json_path = out / "benchmarks.json"
+    json_path.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
+    for part, (show, _) in _PRINTERS.items():
+        if part in report:
+            show(report[part])
+    print(f"report: {json_path}" + (f", {args.json}" if args.json and "scale" in report else ""))
+    missing = rep.plotting_missing()
+    if missing:
+        print(f"plots skipped: {missing}")
+        return
+    files: list[Path] = []
+    for part, (_, plot) in _PRINTERS.items():
+        if part in report:
+            files += plot(report[part], plots)
+    print(f"plots: {', '.join(str(f) for f in files) or 'none'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     scale_world_sizes = [int(w) for w in (args.world_sizes or "").split(",") if w]
@@ -158,19 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     report["wall_s"] = time.perf_counter() - t0
     report["machine"]["loadavg_end"] = os.getloadavg()
 
-    files: list[Path] = []
-    for part, (show, plot) in _PRINTERS.items():
-        if part in report:
-            show(report[part])
-            files += plot(report[part], plots)
-    if args.json and "scale" in report:
-        Path(args.json).write_text(json.dumps({"scale": scale_summary(report["scale"])}, indent=1))
-    json_path = out / "benchmarks.json"
-    json_path.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
+    _emit(report, args, out, plots)
     la = report["machine"]
     print(f"\nwall time {report['wall_s']:.0f} s on {la['cpus']} CPUs ({la['cpu_model']}); load average "
           f"(1 min) {la['loadavg_start'][0]:.2f} at start, {la['loadavg_end'][0]:.2f} at end")
-    print(f"report: {json_path}; plots: {', '.join(str(f) for f in files)}")
     failed = any("error" in m for e in report.get("save", {}).get("world_sizes", {}).values()
                  for m in e["modes"].values())
     return 1 if failed else 0

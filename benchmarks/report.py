@@ -159,6 +159,15 @@ def _x3(v: float | None) -> str:
 # Plots
 # ---------------------------------------------------------------------------------------------
 
+def plotting_missing() -> str | None:
+    """Why no plot can be drawn here (matplotlib cannot be imported), or ``None``."""
+    try:
+        import matplotlib  # noqa: F401 - only whether it imports
+    except ImportError as e:
+        return f"matplotlib cannot be imported ({e}); pip install 'solosave[plots]' to draw them"
+    return None
+
+
 def _plt():
     import matplotlib
 

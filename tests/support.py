@@ -6,7 +6,9 @@ bounded in time) and the state-dict helpers every rank function uses.
 * ``run_ranks_tolerant(...)`` lets ranks die or fail: ``{rank: ("ok", value) | ("err",
   traceback) | ("died", exitcode) | ("hung", None)}``.
 
-Both kill every process still alive at ``timeout``: no orphan survives a test.
+Both kill every process still alive at ``timeout``: no orphan survives a test. Their rendezvous
+port, and any other port a test needs, comes from ``free_port()``: this pytest process's own
+slice of ports (one per xdist worker, below the kernel's ephemeral range).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from solosave._src.testing.ports import free_port
+from solosave._src.testing.ports import PortRange
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, out: Any, env: dict) -> None:
@@ -57,6 +59,22 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, out
     os._exit(code)  # end deliberately: no late gloo teardown at interpreter exit
 
 
+_PORTS: PortRange | None = None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 for a test's ranks or server, free now and handed out by no other
+    test of this run: taken in turn from this pytest process's slice (``PYTEST_XDIST_WORKER`` =
+    ``gw<i>`` of ``PYTEST_XDIST_WORKER_COUNT``; the whole range when pytest runs alone)."""
+    global _PORTS  # one slice per pytest process, like the forkserver below
+    if _PORTS is None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) if worker else 1
+        _PORTS = PortRange(index, count)
+    return _PORTS.take()
+
+
 _CTX: Any = None
 
 
@@ -69,7 +87,7 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint",
-                                     "solosave", "support"])
+                                     "solosave", "tests.support"])
     return _CTX
 
 

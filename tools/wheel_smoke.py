@@ -32,7 +32,7 @@ import time
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCH = "torch==2.13.0"  # as pinned in requirements-dev.txt: the CPU wheel on this machine's disk
+TORCH = "torch==2.13.0"  # as pinned in requirements-train.txt: the CPU wheel on this machine's disk
 SMALL = ["--nproc", "2", "--no-progress", "--layers", "1", "--d-model", "64", "--heads", "2",
          "--vocab", "128", "--seq-len", "32", "--batch-size", "4"]
 T0 = time.perf_counter()

@@ -109,7 +109,7 @@ class FaultWriter(solosave.FileWriter):
       is written and fsynced (the test kills the worker there);
     * ``"publish_block_after"``: the same, but the rename is done first, then it blocks (the
       test kills the worker after publication, before its receipt);
-    * ``"delay"``: sleep ``block_s`` before writing normally.
+    * ``"delay"``: create ``marker`` (if given), then sleep ``block_s`` before writing normally.
 
     ``delay_s`` slows every file write down (for back-pressure tests).
     """
@@ -132,6 +132,7 @@ class FaultWriter(solosave.FileWriter):
                                       after=self.action == "publish_block_after")
             return super().write_file(directory, relative_path, records)
         if self.action == "delay":
+            _touch(self.marker)
             time.sleep(self.block_s)
             return super().write_file(directory, relative_path, records)
         super().write_file(directory, relative_path, records[: max(len(records) // 2, 1)])
@@ -467,11 +468,12 @@ def close_in_flight(rank: int, ws: int, root: str, timeout: float) -> dict:
     out["a_close_s"] = round(time.monotonic() - t0, 2)
     out["a"] = _wait(h, 1.0)
     dist.barrier()
-    ck = _reuse_ck(root, timeout, FaultWriter(1, "b", "delay", block_s=30.0))
+    stuck = f"{root}/b.stuck"
+    ck = _reuse_ck(root, timeout, FaultWriter(1, "b", "delay", marker=stuck, block_s=30.0))
     ck.save(sd, f"{root}/warm").wait(SETUP_WAIT)  # the worker is up; its next save gets stuck
     set_step(sd, rank, 1)
     h = ck.save(sd, f"{root}/b")
-    time.sleep(0.5)
+    wait_for_file(stuck, timeout)  # rank 1's write is stuck now (both ranks see the directory)
     t0 = time.monotonic()
     ck.close(timeout=2.0)
     out["b_close_s"] = round(time.monotonic() - t0, 2)

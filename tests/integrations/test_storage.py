@@ -25,6 +25,10 @@ from solosave.cli import main as cli
 from tests.integrations import storage_fns
 from tests.support import dcp_save_local, free_port, run_ranks
 
+# One S3 server per module (the s3 fixture): its tests share one worker under pytest-xdist
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("s3_server")
+
 
 @pytest.fixture(scope="module")
 def s3():
@@ -32,7 +36,7 @@ def s3():
     pytest.importorskip("s3fs", reason="s3fs is not installed: pip install 'solosave[s3]'")
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                             "AWS_DEFAULT_REGION")}
-    with s3_server() as (endpoint, env):
+    with s3_server(port=free_port()) as (endpoint, env):
         os.environ.update(env)
         try:
             yield endpoint, env

@@ -14,6 +14,9 @@ import solosave
 from solosave.cli import main as cli
 
 pytestmark = pytest.mark.timeout(300)
+# The tests of run_a's job share one worker under pytest-xdist (make test: --dist loadgroup), so
+# that the module fixture trains once, not once per worker.
+RUN_A = pytest.mark.xdist_group("train_run_a")
 
 COMMON = ["--nproc", "2", "--no-progress", "--layers", "1", "--d-model", "64", "--heads", "2",
           "--vocab", "128", "--seq-len", "32", "--batch-size", "4"]
@@ -42,6 +45,7 @@ def run_a(tmp_path_factory):
     return d, r.stdout
 
 
+@RUN_A
 def test_create_then_reuse_and_report_lines(run_a):
     d, out = run_a
     saves = records(d / "log.jsonl", "save")
@@ -55,6 +59,7 @@ def test_create_then_reuse_and_report_lines(run_a):
     assert len(losses) == 8 and losses[-1] < losses[0]  # it learns
 
 
+@RUN_A
 def test_resume_bit_for_bit_ignoring_partial(run_a, tmp_path):
     d, _ = run_a
     load_dir = tmp_path / "load"
@@ -96,6 +101,7 @@ def test_fsdp_checkpoint_holds_shards(tmp_path, capsys):
     assert chunks["model.tok.weight"] == 2  # one shard per rank
 
 
+@RUN_A
 def test_cli_on_trained_checkpoint(run_a, tmp_path, capsys):
     d, _ = run_a
     ck = d / "ckpt" / "iter_0000008"
@@ -124,6 +130,7 @@ def test_flag_errors_are_clear(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@RUN_A
 def test_mismatched_prepared_file_fails_clearly(run_a, tmp_path):
     d, _ = run_a
     other = tmp_path / "ws4.md"
@@ -241,6 +248,7 @@ def test_user_script_without_main_guard(tmp_path):
 
 
 @pytest.mark.slow  # 25 s; run by make test-slow (in CI)
+@RUN_A
 def test_resume_at_another_world_size(run_a, tmp_path):
     d, _ = run_a
     r = train("--nproc", 1, "--steps", 10, "--load", d / "ckpt", "--save", tmp_path / "one",

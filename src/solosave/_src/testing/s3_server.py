@@ -1,5 +1,6 @@
 """An S3-compatible server for the object-store benchmark and the storage tests: moto's server
-mode (``pip install 'moto[server]'``) on a free 127.0.0.1 port, started and stopped here.
+mode (``pip install 'moto[server]'``) on a free 127.0.0.1 port (``port``, or one from the
+kernel), started and stopped here.
 
 ``with s3_server() as (endpoint, env):`` yields the endpoint URL and the standard AWS variables
 that reach it (test credentials); the server is terminated (then killed) at the end. Starting is
@@ -18,8 +19,8 @@ from solosave._src.testing.ports import free_port
 
 
 @contextlib.contextmanager
-def s3_server(start_timeout: float = 30.0) -> Iterator[tuple[str, dict[str, str]]]:
-    port = free_port()
+def s3_server(start_timeout: float = 30.0, port: int | None = None) -> Iterator[tuple[str, dict[str, str]]]:
+    port = free_port() if port is None else port
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],  # noqa: S603
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
