@@ -32,7 +32,7 @@ import torch
 
 from solosave._src.coordination.protocol import ItemKind, ItemSpec, StagedItem, StagedSave
 from solosave._src.core.errors import SaveTimeoutError, StagingRaceError
-from solosave._src.plan.local_plan import serialize_bytes
+from solosave._src.plan.local_plan import serialize_bytes, value_key
 from solosave._src.save.buffer import STAGING_DIR_ENV, _Buffer
 
 #: Alignment of every tensor inside a staging buffer (bytes).
@@ -52,6 +52,8 @@ class _Plan:
     on_cuda: bool
     all_cpu: bool
     tensors: list[ItemSpec]
+    #: Where the plan's values hold each of ``tensors`` (``plan/local_plan.value_key``).
+    sources: list[Any]
     others: list[ItemSpec]
     views: list[torch.Tensor]
     items: tuple[StagedItem, ...]
@@ -98,11 +100,12 @@ class Stager:
         if p is not None and p.specs is specs and (self._buffer is not None or not p.tensors):
             return p
         tensors = [s for s in specs if s.kind is ItemKind.TENSOR]
-        devices = {values[s.fqn].device.type for s in tensors}
+        sources = [value_key(s, values) for s in tensors]
+        devices = {values[k].device.type for k in sources}
         buf = self._ensure(tensors, pinned="cuda" in devices)
         offsets = self._offsets
         views = [buf.view(offsets[s.key], s) for s in tensors] if buf is not None else []
-        self._plan = _Plan(specs, "cuda" in devices, devices <= {"cpu"}, tensors,
+        self._plan = _Plan(specs, "cuda" in devices, devices <= {"cpu"}, tensors, sources,
                            [s for s in specs if s.kind is not ItemKind.TENSOR], views,
                            tuple(StagedItem(s, offsets[s.key]) for s in tensors))
         return self._plan
@@ -117,7 +120,7 @@ class Stager:
         side stream alone for CUDA ones) and the returned :class:`Staging` says when they end.
         """
         plan = self._plan_for(specs, values)
-        srcs = [values[s.fqn] for s in plan.tensors]
+        srcs = [values[k] for k in plan.sources]
         buf = self._buffer
         staging = Staging(srcs if overlap else [])
         if plan.on_cuda:
