@@ -17,6 +17,7 @@ $(BIN)/solosave: pyproject.toml requirements-dev.txt
 	# (wandb, datasets, tensorboard, pandas, pyarrow...) that its checkpointer never imports; the
 	# two it does import are pinned in requirements-dev.txt. Adds about 5 s; torch stays as pinned.
 	$(BIN)/pip install -q --no-deps torchtitan==0.3.0
+	$(BIN)/pip install -q --no-deps megatron-core==0.16.1  # tests/integrations/test_megatron.py (see requirements-dev.txt)
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
