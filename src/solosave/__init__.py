@@ -3,6 +3,7 @@
 Public API (everything else is private and may change)::
 
     AsyncCheckpointer, CheckpointerOptions, SaveHandle, SaveResult, PhaseTimings, CollectiveCall
+    save, async_save, DcpSaver, default_saver     (DCP's save calls, by solosave)
     load, PreparedMetadata, Fingerprint, load_prepared_metadata, save_prepared_metadata
     FileWriter, verify_checkpoint, VerifyReport, export, ExportReport
     SolosaveError, CheckpointError, LayoutDriftError, WorkerDiedError, CheckpointExistsError,
@@ -32,6 +33,7 @@ from solosave._src.prepared.prepared import (
     save_prepared_metadata,
 )
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
+from solosave._src.save.dcp_saver import DcpSaver, async_save, default_saver, save
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.result import PhaseTimings, SaveResult
 from solosave._src.save.writer import FileWriter
@@ -47,6 +49,7 @@ __all__ = [
     "CheckpointerOptions",
     "CollectiveCall",
     "CorruptCheckpointError",
+    "DcpSaver",
     "ExportReport",
     "FileWriter",
     "Fingerprint",
@@ -63,9 +66,12 @@ __all__ = [
     "UnsafeMetadataError",
     "VerifyReport",
     "WorkerDiedError",
+    "async_save",
+    "default_saver",
     "export",
     "load",
     "load_prepared_metadata",
+    "save",
     "save_prepared_metadata",
     "verify_checkpoint",
     "__version__",
