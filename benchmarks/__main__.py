@@ -17,6 +17,7 @@ from typing import Any
 
 from . import limits as limits_bench
 from . import load as load_bench
+from . import megatron_save as megatron_bench
 from . import object_store as s3_bench
 from . import report as rep
 from .progress import Progress
@@ -28,8 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=(
         "solosave vs torch.distributed.checkpoint: saves on local ranks side by side, physical "
         "limits, and a scale simulation of the coordinator's work up to W=16384."))
-    p.add_argument("--only", choices=("all", "save", "limits", "load", "scale", "s3"), default="all",
-                   help="which part to run (s3: saves to s3:// on a local server, not part of all)")
+    p.add_argument("--only", choices=("all", "save", "limits", "load", "scale", "s3", "megatron"), default="all",
+                   help="which part to run (s3: saves to s3:// on a local server; megatron: megatron-core's "
+                        "torch_dist strategy against solosave's, needs megatron-core; neither is part of all)")
     p.add_argument("--total-mib", type=int, default=256, help="state size over all ranks (default 256)")
     p.add_argument("--count", type=int, default=64, help="fp32 tensors over all ranks (default 64)")
     p.add_argument("--world-sizes", default=None,
@@ -72,7 +74,8 @@ def _machine() -> dict[str, Any]:
 #: Each part of the report: how its table is printed and its plots drawn (in this order).
 _PRINTERS = {"save": (rep.print_save, rep.plot_save), "scale": (rep.print_scale, rep.plot_scale),
              "limits": (limits_bench.print_limits, limits_bench.plot_limits),
-             "load": (load_bench.print_load, load_bench.plot_load), "s3": (s3_bench.print_s3, s3_bench.plot_s3)}
+             "load": (load_bench.print_load, load_bench.plot_load), "s3": (s3_bench.print_s3, s3_bench.plot_s3),
+             "megatron": (megatron_bench.print_megatron, megatron_bench.plot_megatron)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         steps += len(load_bench.CASES)
     if args.only in ("all", "limits"):
         steps += len(limits_bench.CASES) * (1 + len(limits_bench.MODES))
-    steps += args.only == "s3"
+    steps += args.only in ("s3", "megatron")
     progress = Progress(steps)
     report: dict[str, Any] = {"command": " ".join(["python -m benchmarks"] + (argv if argv is not None else sys.argv[1:])),
                               "machine": _machine()}
@@ -135,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         s3_cfg = {"per_rank_mib": min(args.total_mib // 2, 64), "tensors": 16, "saves": args.saves // 2 or 1,
                   "timeout": args.timeout}
         report["s3"] = s3_bench.run_s3_bench(s3_cfg, progress)
+    if args.only == "megatron":
+        mg_cfg = {"total_mib": args.total_mib, "saves": args.saves, "timeout": args.timeout, "poll_s": 0.01}
+        report["megatron"] = megatron_bench.run_megatron_bench(mg_cfg, out, progress)
     progress.finish()
     report["wall_s"] = time.perf_counter() - t0
     report["machine"]["loadavg_end"] = os.getloadavg()
