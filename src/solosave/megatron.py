@@ -34,7 +34,8 @@ Who calls what (every rank, in the trainer's order):
 1. ``dist_checkpointing.save(..., sharded_strategy=strategy, async_sharded_save=True)`` calls
    :meth:`SolosaveSaveStrategy.async_save`, which plans and stages the main replicas (no
    collective, except once: the first save sets up solosave's worker), hands the save to the
-   worker and returns an ``AsyncRequest``.
+   worker and returns an ``AsyncRequest``. A value this rank cannot save fails the save on
+   every rank: each gets a request whose finalisation raises.
 2. Megatron's ``AsyncCallsQueue.schedule_async_request`` runs the request's function (in its
    forked or persistent process, or here for a synchronous save): it waits, at most the
    strategy's ``timeout``, until solosave reports the save finished, and never raises.
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import logging
 import multiprocessing
 import threading
@@ -66,7 +66,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from solosave._src.plan.local_plan import SerializedRecord
+from solosave._src.plan.local_plan import WholeValue
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions, add_option_flags, options_from_args
 from solosave._src.save.result import SaveResult
@@ -141,7 +141,10 @@ class SolosaveSaveStrategy(AsyncSaveShardedStrategy):
         state = dcp_state_dict(sharded_state_dict)
         if self._checkpointer is None:
             self._checkpointer = AsyncCheckpointer(self.process_group, writer=self.writer, options=self.options)
-        handle = self._checkpointer.save(state, checkpoint_dir, overwrite=True)
+        try:
+            handle = self._checkpointer.save(state, checkpoint_dir, overwrite=True)
+        except Exception as e:  # noqa: BLE001 - raised from the finalisation, where every rank fails
+            return _failed_request(e, self.options.timeout)
         reader, writer = multiprocessing.Pipe(duplex=False)
         self._watcher = threading.Thread(target=_watch, args=(handle, writer, self.options.timeout),
                                          name="solosave-megatron-watch", daemon=True)
@@ -173,6 +176,21 @@ class SolosaveSaveStrategy(AsyncSaveShardedStrategy):
             log.warning("solosave: %s", e)
         if self._checkpointer is not None:
             self._checkpointer.close()
+
+
+def _failed_request(error: Exception, timeout: float) -> AsyncRequest:
+    """The request of a save whose ``save()`` raised on this rank (a value it cannot save): the
+    checkpointer has already failed that save on every rank, so every rank's Megatron queue
+    polls, finalises and raises together (this rank its own error), instead of this rank
+    raising alone and the others waiting for it in Megatron's next collective."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    writer.send_bytes(b"1")
+    writer.close()
+
+    def finalize() -> None:
+        raise error
+
+    return AsyncRequest(wait_for_save, (reader, timeout), [finalize])
 
 
 def _watch(handle: SaveHandle, writer: Any, timeout: float) -> None:
@@ -229,10 +247,7 @@ class MegatronShards:
             if tuple(sh.global_shape) != tuple(self.global_size):
                 raise TypeError(f"sharded tensor {key!r}: shards of global shapes {list(self.global_size)} "
                                 f"and {list(sh.global_shape)} on one rank")
-            data = sh.data.detach()
-            for _ in range(sh.prepend_axis_num):
-                data = data.unsqueeze(0)
-            self.chunks.append((torch.Size(sh.global_offset), data))
+            self.chunks.append((torch.Size(sh.global_offset), _with_prepended_axes(key, sh)))
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         return [WriteItem(index=MetadataIndex(fqn, off, i), type=WriteItemType.SHARD,
@@ -253,12 +268,25 @@ class MegatronShards:
         raise ValueError(f"no shard of {self.key!r} at {index.offset} on this rank")
 
 
+def _with_prepended_axes(key: str, sh: Any) -> torch.Tensor:
+    """``sh.data`` with its ``prepend_axis_num`` prepended axes as leading dimensions of size 1
+    (Megatron's own ``torch_dist`` strategy leaves the data so viewed: then it is taken as it is)."""
+    data = sh.data.detach()
+    dims = len(sh.global_offset)
+    if data.dim() == dims - sh.prepend_axis_num:
+        return data.reshape((1,) * sh.prepend_axis_num + tuple(data.shape))
+    if data.dim() == dims and all(n == 1 for n in data.shape[:sh.prepend_axis_num]):
+        return data
+    raise TypeError(f"sharded tensor {key!r}: data of shape {list(data.shape)} does not fit its global offset "
+                    f"{list(sh.global_offset)} with {sh.prepend_axis_num} prepended axes")
+
+
 def dcp_state_dict(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """The flat state dict solosave saves for Megatron's sharded state dict (as Megatron's
     ``torch_dist`` strategy builds it): the main replicas only; the shards of a ``ShardedTensor``
-    key as one :class:`MegatronShards`; the ``ShardedObject`` s of a unique key as one record,
-    ``torch.save`` of the list of their data, written as it is (Megatron's loader reads that
-    list back)."""
+    key as one :class:`MegatronShards`; the ``ShardedObject`` s of a unique key as one record
+    holding the list of their data (a :class:`~solosave._src.plan.local_plan.WholeValue`:
+    ``torch.save`` of that list, as Megatron's planner writes it; its loader reads the list back)."""
     tensors: dict[str, list[Any]] = {}
     objects: dict[str, list[Any]] = {}
     for sh in nested_values(dict(sharded_state_dict)):
@@ -275,10 +303,7 @@ def dcp_state_dict(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
     if clash:
         raise TypeError(f"key {sorted(clash)[0]!r} names both a sharded tensor and a sharded object")
     out: dict[str, Any] = {key: MegatronShards(key, shards) for key, shards in tensors.items()}
-    for key, objs in objects.items():
-        buf = io.BytesIO()
-        torch.save([o.data for o in objs], buf)
-        out[key] = SerializedRecord(buf.getvalue())
+    out.update((key, WholeValue([o.data for o in objs])) for key, objs in objects.items())
     return out
 
 

@@ -308,3 +308,42 @@ def _closing(queue, strategy):
         raise
     queue.close()
     strategy.close()
+
+
+def bad_value_on_one_rank(rank: int, ws: int, root: str) -> dict:
+    """iter_2 holds, on rank 1 only, a ShardedObject that cannot be pickled: every rank's
+    finalisation raises (rank 1 its own error, rank 0 the CheckpointError naming rank 1), nothing
+    is published, and iter_3 saves normally (through the collective path, as after any failure)."""
+    cpu_megatron()
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from solosave.megatron import SolosaveSaveStrategy
+
+    fresh(root)
+    strategy = SolosaveSaveStrategy(prepared_metadata=f"{root}/prepared.metadata", create_prepared_metadata=True,
+                                    timeout=60)
+    queue = AsyncCallsQueue()
+    out: dict = {}
+    with _closing(queue, strategy):
+        for it in (1, 2, 3):
+            sd = gpt_state_dict(rank, ws, 2, it)
+            if it == 2 and rank == 1:
+                sd["bad"] = ShardedObject("bad", lambda: None, (2,), (rank,), replica_id=0)
+            elif it == 2:
+                sd["bad"] = ShardedObject("bad", 0, (2,), (rank,), replica_id=0)
+            path = f"{root}/iter_{it}"
+            if rank == 0:
+                os.makedirs(path, exist_ok=True)
+            dist.barrier()
+            request = dist_checkpointing.save(sd, path, sharded_strategy=strategy, async_sharded_save=True,
+                                              validate_access_integrity=False)
+            queue.schedule_async_request(request)
+            try:
+                _finalize_all(queue)
+                out[it] = strategy.last_result.mode
+            except Exception as e:  # noqa: BLE001 - the test looks at which one
+                out[it] = f"{type(e).__name__}: {e}"
+    out["published"] = {it: os.path.exists(f"{root}/iter_{it}/.metadata") for it in (1, 2, 3)}
+    return out

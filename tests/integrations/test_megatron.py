@@ -118,6 +118,18 @@ def test_worker_killed_mid_save_fails_finalisation_on_every_rank(tmp_path):
 
 
 @needs_megatron
+def test_a_value_one_rank_cannot_save_fails_finalisation_on_every_rank(tmp_path):
+    from tests.integrations import megatron_fns
+
+    out = run_ranks(megatron_fns.bad_value_on_one_rank, 2, str(tmp_path), timeout=500)
+    for o in out:
+        assert o[1] == "create" and o["published"] == {1: True, 2: False, 3: True}
+    assert out[1][2].startswith("TypeError") and "cannot be serialized" in out[1][2]
+    assert out[0][2].startswith("CheckpointError") and "rank 1" in out[0][2]
+    assert out[0][3] == out[1][3]  # the next save works on every rank
+
+
+@needs_megatron
 def test_register_lasts_past_megatrons_own_lookup():
     from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
 
@@ -157,3 +169,32 @@ def test_importing_solosave_never_imports_megatron_and_the_module_says_what_to_i
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'solosave[megatron]'" in out.stdout
+
+
+@needs_megatron
+def test_what_the_strategy_saves_of_a_sharded_state_dict():
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from solosave._src.plan.local_plan import WholeValue, plan_local
+    from solosave.megatron import MegatronShards, dcp_state_dict
+
+    def layer(i, data):  # a stacked layer's shard: prepended layer axis
+        return ShardedTensor.from_rank_offsets("layers.w", data, (0, i, 2), (1, 0, 2), prepend_axis_num=1)
+
+    viewed = layer(1, torch.ones(3, 4))
+    viewed.data = viewed.data.view(1, 3, 4)  # as Megatron's own torch_dist strategy leaves it
+    sd = {"a": layer(0, torch.zeros(3, 4)), "b": viewed,
+          "replica": ShardedTensor.from_rank_offsets("norm", torch.ones(4), replica_id=(0, 1, 0)),
+          "obj": ShardedObject("rng", {"seed": 7}, (1,), (0,), replica_id=0)}
+    out = dcp_state_dict(sd)
+    assert sorted(out) == ["layers.w", "rng/shard_0_1"]  # the non-main replica is not saved
+    assert isinstance(out["layers.w"], MegatronShards)
+    assert isinstance(out["rng/shard_0_1"], WholeValue) and out["rng/shard_0_1"].value == [{"seed": 7}]
+    specs = plan_local(out).specs
+    assert [(s.fqn, s.offsets, s.sizes, s.global_size) for s in specs if s.fqn == "layers.w"] == [
+        ("layers.w", (0, 0, 0), (1, 3, 4), (2, 6, 4)), ("layers.w", (1, 0, 0), (1, 3, 4), (2, 6, 4))]
+    legacy = ShardedTensor.from_rank_offsets("old", torch.ones(4))
+    legacy.flattened_range = slice(0, 2)
+    with pytest.raises(TypeError, match="flattened_range"):
+        dcp_state_dict({"old": legacy})

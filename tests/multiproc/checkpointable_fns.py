@@ -1,5 +1,5 @@
 """Rank functions of tests/multiproc/test_checkpointable.py: DCP checkpointable objects (several
-chunks of one key per rank), ``io.BytesIO`` values and caller-serialized records, saved by
+chunks of one key per rank), ``io.BytesIO`` values and values saved whole, saved by
 solosave in create and reuse mode and read back by stock DCP and by ``solosave.load``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import solosave
-from solosave._src.plan.local_plan import SerializedRecord
+from solosave._src.plan.local_plan import WholeValue
 from solosave._src.testing.checkpointable import ChunkedTensor, row_chunks
 from tests.support import fresh
 
@@ -31,12 +31,10 @@ def my_rows(rank: int, ws: int) -> list[tuple[int, int]]:
 def state(rank: int, ws: int, seed: int) -> dict:
     """Non-tensor values are the same on every rank: like a plain tensor, a key held by several
     ranks is one value, written once (DCP's rule)."""
-    payload = io.BytesIO()
-    torch.save({"seed": seed, "rng": torch.arange(seed)}, payload)
     return {"w": row_chunks(full_weight(seed), my_rows(rank, ws)),
             "bias": torch.full((3,), float(seed)),
             "blob": io.BytesIO(bytes([seed, 0, 255]) * (3 + seed)),
-            "objects": SerializedRecord(payload.getvalue())}
+            "objects": WholeValue([{"seed": seed, "rng": torch.arange(seed)}])}
 
 
 def empty_target(rank: int, ws: int) -> dict:
@@ -50,7 +48,8 @@ def check_loaded(got: dict, rank: int, ws: int, seed: int) -> None:
         assert off == woff and torch.equal(t, wt), (off, woff)
     assert torch.equal(got["bias"], want["bias"])
     assert isinstance(got["blob"], io.BytesIO) and got["blob"].getvalue() == want["blob"].getvalue()
-    assert got["objects"]["seed"] == seed and torch.equal(got["objects"]["rng"], torch.arange(seed))
+    (objects,) = got["objects"]  # the list, whole: not flattened into objects.0.seed, ...
+    assert objects["seed"] == seed and torch.equal(objects["rng"], torch.arange(seed))
 
 
 def save_create_then_reuse(rank: int, ws: int, root: str) -> list:

@@ -1,5 +1,5 @@
 """Local planning of DCP checkpointable objects (several chunks of one key on one rank), of
-``io.BytesIO`` values and of caller-serialized records; the structure cache and staging of them."""
+``io.BytesIO`` values and of values saved whole; the structure cache and staging of them."""
 
 import io
 
@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from solosave._src.load.load import SafeLoadPlanner
-from solosave._src.plan.local_plan import ItemKind, SerializedRecord, checkpointable_items, plan_local, serialize_bytes
+from solosave._src.plan.local_plan import ItemKind, WholeValue, checkpointable_items, plan_local, serialize_bytes
 from solosave._src.plan.structure import StructureCache
 from solosave._src.save.staging import Stager
 from solosave._src.testing.checkpointable import ChunkedTensor, row_chunks
@@ -18,7 +18,7 @@ from solosave._src.testing.checkpointable import ChunkedTensor, row_chunks
 def _sd(seed=0):
     full = torch.arange(24.0).view(6, 4) + seed
     return {"w": row_chunks(full, [(0, 2), (4, 6)]), "b": torch.ones(3) * seed, "blob": io.BytesIO(b"ab"),
-            "raw": SerializedRecord(b"record")}
+            "raw": WholeValue([{"a": torch.ones(2)}, 3])}
 
 
 def test_each_chunk_is_an_item_at_its_global_offsets():
@@ -32,12 +32,13 @@ def test_each_chunk_is_an_item_at_its_global_offsets():
     assert kinds["blob"] is ItemKind.BYTES and kinds["raw"] is ItemKind.BYTES
 
 
-def test_bytesio_is_pickled_whole_as_dcp_does_and_a_record_is_written_as_it_is():
+def test_bytesio_is_pickled_whole_as_dcp_does_and_a_whole_value_is_one_record():
     loaded = torch.load(io.BytesIO(serialize_bytes("blob", io.BytesIO(b"\x00ab"))), weights_only=False)
     assert isinstance(loaded, io.BytesIO) and loaded.getvalue() == b"\x00ab"
-    assert serialize_bytes("raw", SerializedRecord(b"as-is")) == b"as-is"
-    with pytest.raises(TypeError, match="holds bytes"):
-        SerializedRecord("text")
+    whole = torch.load(io.BytesIO(serialize_bytes("raw", WholeValue([{"a": torch.ones(2)}, 3]))))
+    assert whole[1] == 3 and torch.equal(whole[0]["a"], torch.ones(2))
+    with pytest.raises(TypeError, match=r"state_dict\['raw'\].*cannot be serialized"):
+        serialize_bytes("raw", WholeValue([lambda: 1]))
 
 
 def test_solosave_load_reads_a_bytesio_record_with_weights_only():
@@ -70,7 +71,7 @@ def test_staging_copies_every_chunk():
         views = {it.spec.key: v for it, v in zip(staged.items, stager._plan.views)}
         assert torch.equal(views[("w", (4, 0))], torch.arange(16.0, 24.0).view(2, 4) + 1)
         payloads = {it.spec.fqn: it.payload for it in staged.items if it.payload is not None}
-        assert payloads["raw"] == b"record"
+        assert torch.load(io.BytesIO(payloads["raw"]))[1] == 3
     finally:
         stager.close()
 

@@ -14,7 +14,7 @@ holds as an :class:`ItemSpec`: the structure of the item, never its values.
   their ``__create_write_items__`` lists, at its global offsets, holding what their
   ``__get_tensor_shard__`` returns for it; several chunks of one key on one rank are allowed
   (:func:`checkpointable_items`).
-* :class:`SerializedRecord`: a value its caller already serialized, written as it is.
+* :class:`WholeValue`: a value saved whole, as one record, even a list or a dict.
 * anything else (``io.BytesIO`` included): a ``BYTES`` item, serialized with ``torch.save`` (what
   DCP's default planner writes and its loader expects).
 """
@@ -221,9 +221,9 @@ def make_spec(fqn: str, value: Any) -> tuple[ItemSpec, Any]:
 
 def serialize_bytes(fqn: str, value: Any) -> bytes:
     """Serialize a non-tensor value as DCP does (``torch.save``), with a clear error; a
-    :class:`SerializedRecord` is its own serialization."""
-    if type(value) is SerializedRecord:
-        return value.data
+    :class:`WholeValue` as the value it holds."""
+    if type(value) is WholeValue:
+        value = value.value
     buf = io.BytesIO()
     try:
         torch.save(value, buf)
@@ -268,19 +268,14 @@ def plan_local(state_dict: Mapping[str, Any]) -> LocalPlan:
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class SerializedRecord:
-    """A non-tensor value that its caller has already serialized: ``data`` (the output of
-    ``torch.save``) is written as the record itself, as Megatron-core's DCP planner writes its
-    ``io.BytesIO`` values; a DCP load returns ``torch.load(data)``. A plain ``io.BytesIO`` value
-    is saved as DCP's default planner saves it instead: pickled whole, so it loads back as a
-    ``BytesIO`` holding the same bytes."""
+class WholeValue:
+    """A value saved as one record, ``torch.save(value)``, even a list or a dict (which the
+    flattening of a state dict would otherwise split into items): what Megatron-core's DCP
+    planner writes for its ``ShardedObject`` s (the ``io.BytesIO`` it hands DCP holds
+    ``torch.save`` of their list), so a DCP load returns the value itself. Serialized while
+    staging, like every non-tensor value (an error there fails the save on every rank)."""
 
-    data: bytes
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"SerializedRecord holds bytes (the output of torch.save), got {type(self.data).__name__}")
-        object.__setattr__(self, "data", bytes(self.data))
+    value: Any
 
 
 def is_checkpointable(value: Any) -> bool:
