@@ -33,6 +33,7 @@ $(DEV_DEPS): $(TRAIN_DEPS) requirements-dev.txt
 	# (wandb, datasets, tensorboard, pandas, pyarrow...) that its checkpointer never imports; the
 	# two it does import are pinned in requirements-dev.txt. Adds about 5 s; torch stays as pinned.
 	$(PIP) --no-deps torchtitan==0.3.0
+	$(PIP) --no-deps megatron-core==0.16.1  # tests/integrations/test_megatron.py (see requirements-dev.txt)
 	touch $@
 
 # The main job: 2 ranks train a small GPT for 40 steps, saving every 5 steps asynchronously;

@@ -18,6 +18,7 @@ from typing import Any
 from . import lightning_saves as lightning_bench
 from . import limits as limits_bench
 from . import load as load_bench
+from . import megatron_save as megatron_bench
 from . import object_store as s3_bench
 from . import report as rep
 from . import tiers as tiers_bench
@@ -30,11 +31,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=(
         "solosave vs torch.distributed.checkpoint: saves on local ranks side by side, physical "
         "limits, and a scale simulation of the coordinator's work up to W=16384."))
-    p.add_argument("--only", choices=("all", "save", "limits", "load", "scale", "s3", "lightning", "tiers"),
-                   default="all",
+    p.add_argument("--only", choices=("all", "save", "limits", "load", "scale", "s3", "lightning", "tiers",
+                                      "megatron"), default="all",
                    help="which part to run (s3: saves to s3:// on a local server; lightning: a Lightning fit with "
                         "its own strategy and with solosave's; tiers: a fast tier against s3:// on a local "
-                        "server; none of these three is part of all)")
+                        "server; megatron: megatron-core's torch_dist strategy against solosave's; none of "
+                        "these four is part of all)")
     p.add_argument("--tiers-fast-dir", default=None, metavar="DIR",
                    help="tiers: where the fast tier lives (default /dev/shm, else <out>/fast)")
     p.add_argument("--total-mib", type=int, default=256, help="state size over all ranks (default 256)")
@@ -81,7 +83,8 @@ _PRINTERS = {"save": (rep.print_save, rep.plot_save), "scale": (rep.print_scale,
              "limits": (limits_bench.print_limits, limits_bench.plot_limits),
              "load": (load_bench.print_load, load_bench.plot_load), "s3": (s3_bench.print_s3, s3_bench.plot_s3),
              "lightning": (lightning_bench.print_lightning, lightning_bench.plot_lightning),
-             "tiers": (tiers_bench.print_tiers, tiers_bench.plot_tiers)}
+             "tiers": (tiers_bench.print_tiers, tiers_bench.plot_tiers),
+             "megatron": (megatron_bench.print_megatron, megatron_bench.plot_megatron)}
 
 
 def _emit(report: dict[str, Any], args: argparse.Namespace, out: Path, plots: Path) -> None:
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     steps += args.only == "s3"
     steps += len(lightning_bench.STRATEGIES) if args.only == "lightning" else 0
     steps += args.only == "tiers"
+    steps += args.only == "megatron"
     progress = Progress(steps)
     report: dict[str, Any] = {"command": " ".join(["python -m benchmarks"] + (argv if argv is not None else sys.argv[1:])),
                               "machine": _machine()}
@@ -177,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         tiers_cfg = {"per_rank_mib": min(args.total_mib // 2, 64), "tensors": 16, "saves": args.saves // 2 or 1,
                      "reps": 3 if args.quick else 5, "timeout": args.timeout, "fast_dir": args.tiers_fast_dir}
         report["tiers"] = tiers_bench.run_tiers_bench(tiers_cfg, out, progress)
+    if args.only == "megatron":
+        mg_cfg = {"total_mib": args.total_mib, "saves": args.saves, "timeout": args.timeout, "poll_s": 0.01}
+        report["megatron"] = megatron_bench.run_megatron_bench(mg_cfg, out, progress)
     progress.finish()
     report["wall_s"] = time.perf_counter() - t0
     report["machine"]["loadavg_end"] = os.getloadavg()

@@ -4,6 +4,7 @@ Public API (everything else is private and may change)::
 
     AsyncCheckpointer, CheckpointerOptions, SaveHandle, SaveResult, PhaseTimings, CollectiveCall,
     DurableCopy, DurableResult
+    save, async_save, DcpSaver, default_saver     (DCP's save calls, by solosave)
     load, PreparedMetadata, Fingerprint, load_prepared_metadata, save_prepared_metadata
     FileWriter, verify_checkpoint, VerifyReport, export, ExportReport
     SolosaveError, CheckpointError, LayoutDriftError, WorkerDiedError, CheckpointExistsError,
@@ -33,6 +34,7 @@ from solosave._src.prepared.prepared import (
     save_prepared_metadata,
 )
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
+from solosave._src.save.dcp_saver import DcpSaver, async_save, default_saver, save
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.result import DurableCopy, DurableResult, PhaseTimings, SaveResult
 from solosave._src.save.writer import FileWriter
@@ -50,6 +52,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DurableCopy",
     "DurableResult",
+    "DcpSaver",
     "ExportReport",
     "FileWriter",
     "Fingerprint",
@@ -66,9 +69,12 @@ __all__ = [
     "UnsafeMetadataError",
     "VerifyReport",
     "WorkerDiedError",
+    "async_save",
+    "default_saver",
     "export",
     "load",
     "load_prepared_metadata",
+    "save",
     "save_prepared_metadata",
     "verify_checkpoint",
     "__version__",

@@ -1,9 +1,23 @@
+import inspect
+
+import torch.distributed.checkpoint as dcp
+
 import solosave
 
 
 def test_all_is_exactly_the_public_api():
-    public = {n for n in dir(solosave) if not n.startswith("_")} - {"cli", "integrations", "demo", "titan", "lightning"}
+    public = {n for n in dir(solosave) if not n.startswith("_")} - {"cli", "integrations", "demo", "titan", "lightning",
+                                                                     "megatron"}
     assert set(solosave.__all__) - {"__version__"} == public
+
+
+def test_save_calls_take_dcps_arguments():
+    """solosave.save / async_save accept every argument of DCP's, of the same kind and name (the
+    drop-in: a change of import); the ones solosave cannot honour raise, naming its equivalent."""
+    for ours, theirs in ((solosave.save, dcp.save), (solosave.async_save, dcp.async_save)):
+        mine = inspect.signature(ours).parameters
+        for name, p in inspect.signature(theirs).parameters.items():
+            assert name in mine and mine[name].kind == p.kind, (ours.__name__, name)
 
 
 def test_exceptions_form_the_documented_tree():

@@ -60,13 +60,14 @@ log = logging.getLogger(__name__)
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that non-tensor records are unpickled with
-    ``torch.load(weights_only=True)``: only torch's safe types and the classes in
-    ``safe_globals`` (the caller's own, trusted types) can be loaded; a crafted record that
-    names anything else raises :class:`~solosave.UnsafeMetadataError` and executes nothing."""
+    ``torch.load(weights_only=True)``: only torch's safe types, ``io.BytesIO`` (DCP's default
+    planner saves a ``BytesIO`` value pickled whole) and the classes in ``safe_globals`` (the
+    caller's own, trusted types) can be loaded; a crafted record that names anything else
+    raises :class:`~solosave.UnsafeMetadataError` and executes nothing."""
 
     def __init__(self, safe_globals: Sequence[Any] = (), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.safe_globals = list(safe_globals)
+        self.safe_globals = [io.BytesIO, *safe_globals]
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn

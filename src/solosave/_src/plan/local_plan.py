@@ -11,7 +11,14 @@ holds as an :class:`ItemSpec`: the structure of the item, never its values.
   chosen locally by :func:`dtensor_owner` so that non-owners need not stage the shard.
 * ShardedTensors (``torch.distributed._shard``, which ``dcp.save`` saves): the local shard at its
   global offsets, as DCP's planner writes them (none on a rank without a shard).
-* anything else: a ``BYTES`` item, serialized with ``torch.save`` (what DCP's loader expects).
+* objects implementing DCP's ``_Checkpointable`` protocol (Megatron-core's
+  ``CheckpointableShardedTensor`` and ``LocalShardsContainer``, or your own): one item per chunk
+  their ``__create_write_items__`` lists, at its global offsets, holding what their
+  ``__get_tensor_shard__`` returns for it; several chunks of one key on one rank are allowed
+  (:func:`checkpointable_items`).
+* :class:`WholeValue`: a value saved whole, as one record, even a list or a dict.
+* anything else (``io.BytesIO`` included): a ``BYTES`` item, serialized with ``torch.save`` (what
+  DCP's default planner writes and its loader expects).
 """
 
 from __future__ import annotations
@@ -34,10 +41,14 @@ ObjPath = tuple[str | int, ...]
 
 @dataclass(slots=True)
 class LocalPlan:
-    """What this rank holds: specs in a deterministic order, values, and the flatten mapping."""
+    """What this rank holds: specs in a deterministic order, values, and the flatten mapping.
+
+    ``values`` maps a spec's fqn to the value to stage, except for the chunks of a checkpointable
+    object, which are found under their key ``(fqn, offsets)`` (one fqn, several chunks); see
+    :func:`value_key`."""
 
     specs: list[ItemSpec]
-    values: dict[str, Any]
+    values: dict[str | ItemKey, Any]
     planner_data: dict[str, ObjPath]
     by_key: dict[ItemKey, ItemSpec] = field(default_factory=dict)
     #: The DTensors by fqn (``values`` holds their local shards): in-place ops on a DTensor move
@@ -239,7 +250,10 @@ def make_spec(fqn: str, value: Any) -> tuple[ItemSpec | None, Any]:
 
 
 def serialize_bytes(fqn: str, value: Any) -> bytes:
-    """Serialize a non-tensor value as DCP does (``torch.save``), with a clear error."""
+    """Serialize a non-tensor value as DCP does (``torch.save``), with a clear error; a
+    :class:`WholeValue` as the value it holds."""
+    if type(value) is WholeValue:
+        value = value.value
     buf = io.BytesIO()
     try:
         torch.save(value, buf)
@@ -266,9 +280,14 @@ def plan_local(state_dict: Mapping[str, Any]) -> LocalPlan:
         state_dict = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_dict.items()}
     flat, mapping = flatten_state_dict(state_dict)
     specs: list[ItemSpec] = []
-    values: dict[str, Any] = {}
+    values: dict[str | ItemKey, Any] = {}
     dtensors: dict[str, Any] = {}
     for fqn in sorted(flat):
+        if is_checkpointable(flat[fqn]):
+            for spec, local in checkpointable_items(fqn, flat[fqn]):
+                specs.append(spec)
+                values[spec.key] = local
+            continue
         spec, local = make_spec(fqn, flat[fqn])
         if spec is None:
             continue
@@ -277,3 +296,90 @@ def plan_local(state_dict: Mapping[str, Any]) -> LocalPlan:
         if local is not flat[fqn] and _is_dtensor(flat[fqn]):
             dtensors[fqn] = flat[fqn]
     return LocalPlan(specs, values, mapping, dtensors=dtensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP's checkpointable objects, and values serialized by their caller
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class WholeValue:
+    """A value saved as one record, ``torch.save(value)``, even a list or a dict (which the
+    flattening of a state dict would otherwise split into items): what Megatron-core's DCP
+    planner writes for its ``ShardedObject`` s (the ``io.BytesIO`` it hands DCP holds
+    ``torch.save`` of their list), so a DCP load returns the value itself. Serialized while
+    staging, like every non-tensor value (an error there fails the save on every rank)."""
+
+    value: Any
+
+
+def is_checkpointable(value: Any) -> bool:
+    """Whether ``value`` implements the save side of DCP's ``_Checkpointable`` protocol
+    (``__create_write_items__`` and ``__get_tensor_shard__``). DTensors implement it too, but
+    have rules of their own here (:func:`make_spec`)."""
+    t = type(value)
+    return hasattr(t, "__create_write_items__") and hasattr(t, "__get_tensor_shard__") and not _is_dtensor(value)
+
+
+def value_key(spec: ItemSpec, values: Mapping[str | ItemKey, Any]) -> str | ItemKey:
+    """Where ``values`` (a :class:`LocalPlan`'s) holds the value of ``spec``: its fqn, or its
+    key for a chunk of a checkpointable object."""
+    return spec.fqn if spec.fqn in values else spec.key
+
+
+def checkpointable_items(fqn: str, value: Any) -> list[tuple[ItemSpec, torch.Tensor]]:
+    """The chunks of checkpointable object ``value`` (saved as ``fqn``) that this rank holds,
+    each as a spec and the tensor to stage: what DCP's planner and writer do with it
+    (``__create_write_items__(fqn, value)``, then ``__get_tensor_shard__(item.index)``).
+
+    Every chunk must be a dense tensor of its write item's dtype and chunk size; the chunks'
+    global offsets say where it lies, as they do for a DTensor. Chunks are written by the rank
+    that holds them (another rank holding the same chunk is a replica, as DCP treats it). An
+    object holding no chunk on this rank gives none."""
+    what = f"state_dict[{fqn!r}] ({type(value).__name__}, a DCP checkpointable object)"
+    try:
+        write_items = list(value.__create_write_items__(fqn, value))
+    except Exception as e:  # noqa: BLE001 - any failure of the object's own code, reported with its key
+        raise TypeError(f"{what}: its __create_write_items__ raised {type(e).__name__}: {e}") from e
+    out: list[tuple[ItemSpec, torch.Tensor]] = []
+    seen: set[tuple[int, ...]] = set()
+    for item in write_items:
+        data = getattr(item, "tensor_data", None)
+        if data is None:
+            raise TypeError(f"{what}: write item {getattr(item, 'index', item)} carries no tensor (a "
+                            "BYTE_IO item); solosave saves the tensor chunks of checkpointable objects: "
+                            "put a non-tensor value in the state dict as a value of its own")
+        offsets = tuple(int(o) for o in data.chunk.offsets)
+        sizes = tuple(int(s) for s in data.chunk.sizes)
+        global_size = tuple(int(s) for s in data.size)
+        if offsets in seen:
+            raise TypeError(f"{what}: two of its write items are the chunk at offsets {list(offsets)}; "
+                            "each chunk must be listed once")
+        seen.add(offsets)
+        if not len(offsets) == len(sizes) == len(global_size) or any(
+                o < 0 or o + n > g for o, n, g in zip(offsets, sizes, global_size)):
+            raise TypeError(f"{what}: the chunk at offsets {list(offsets)} of size {list(sizes)} does not "
+                            f"lie inside its global size {list(global_size)}")
+        shard = _checkpointable_shard(what, value, item, sizes, data)
+        out.append((_tensor_spec(fqn, shard, offsets, global_size, True), shard))
+    return out
+
+
+def _checkpointable_shard(what: str, value: Any, item: Any, sizes: tuple[int, ...], data: Any) -> torch.Tensor:
+    """The tensor ``value.__get_tensor_shard__`` gives for write item ``item``, checked."""
+    try:
+        shard = value.__get_tensor_shard__(item.index)
+    except Exception as e:  # noqa: BLE001 - the object's own code, reported with its key
+        raise TypeError(f"{what}: its __get_tensor_shard__({item.index}) raised {type(e).__name__}: {e}") from e
+    where = f"{what}: the chunk at offsets {list(item.index.offset or ())}"
+    if type(shard) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(f"{where} is a {type(shard).__name__}; __get_tensor_shard__ must return a plain tensor")
+    if shard.layout != torch.strided or shard.device.type == "meta" or shard.is_quantized:
+        raise TypeError(f"{where} is not a dense tensor with data (layout {shard.layout}, device "
+                        f"{shard.device}); __get_tensor_shard__ must return one")
+    if tuple(shard.shape) != sizes:
+        raise TypeError(f"{where} has shape {list(shard.shape)}, but its write item says {list(sizes)}")
+    dtype = getattr(getattr(data, "properties", None), "dtype", None)
+    if dtype is not None and dtype != shard.dtype:
+        raise TypeError(f"{where} is {shard.dtype}, but its write item says {dtype}")
+    return shard.detach()

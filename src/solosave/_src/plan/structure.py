@@ -6,7 +6,8 @@ devices and shardings, only new values. :class:`StructureCache` keeps the
 :class:`~solosave._src.plan.local_plan.LocalPlan` of the last structure it planned and, per save, walks the
 state dict once (the same traversal and keys as ``flatten_state_dict``) and compares a cheap
 signature per leaf (type, dtype, shape, layout, device; a DTensor's placements, mesh and local
-shape) with the cached one. Equal: the cached specs (the same objects, so everything keyed on
+shape; a checkpointable object's chunks, which its own methods list) with the cached one.
+Equal: the cached specs (the same objects, so everything keyed on
 them downstream is reused too) with this save's values. Different, or a leaf the signature
 cannot vouch for: :func:`~solosave._src.plan.local_plan.plan_local` plans from scratch, with all its checks.
 """
@@ -18,7 +19,17 @@ from typing import Any
 
 import torch
 
-from solosave._src.plan.local_plan import LocalPlan, _is_dtensor, _is_stateful, _is_terminal, local_shard, plan_local
+from solosave._src.coordination.protocol import ItemSpec
+from solosave._src.plan.local_plan import (
+    LocalPlan,
+    _is_dtensor,
+    _is_stateful,
+    _is_terminal,
+    checkpointable_items,
+    is_checkpointable,
+    local_shard,
+    plan_local,
+)
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -61,6 +72,10 @@ def walk(state_dict: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
     return keys, values
 
 
+#: Marks a checkpointable object in a signature: its chunks are compared separately.
+_CHUNKED = object()
+
+
 def _signature(value: Any) -> Any:
     t = type(value)
     if t is torch.Tensor or t is torch.nn.Parameter:
@@ -71,6 +86,8 @@ def _signature(value: Any) -> Any:
         if spec is not None:  # one object per DTensor: equal by identity save after save
             return (t, spec, local.shape, local.device)
         return (t, value.dtype, value.shape, value.placements, value.device_mesh, local.shape, local.device)
+    if is_checkpointable(value):
+        return (_CHUNKED, t)  # and its chunks, compared by the cache (it knows the key)
     if isinstance(value, torch.Tensor):
         return None  # a tensor subclass: planned (and refused) every time
     return t
@@ -87,6 +104,8 @@ class StructureCache:
         self._plan: LocalPlan | None = None
         #: Positions of the DTensor leaves of the cached structure (their shards are staged).
         self._dtensors: list[int] = []
+        #: Position and chunk specs of each checkpointable leaf of the cached structure.
+        self._chunked: list[tuple[int, list[ItemSpec]]] = []
         self.hits = 0
 
     def plan(self, state_dict: Mapping[str, Any]) -> LocalPlan:
@@ -101,15 +120,28 @@ class StructureCache:
         signature = [_signature(v) for v in values]
         if None in signature or signature != self._signature:
             return self._replan(resolved)
-        self.hits += 1
         cached = self._plan
         # plain tensors as they are (staging copies them without autograd); DTensors' shards
-        fresh = dict(zip(keys, values))
+        fresh: dict[Any, Any] = dict(zip(keys, values))
         dtensors = {}
         for i in self._dtensors:
             fresh[keys[i]] = local_shard(values[i])
             dtensors[keys[i]] = values[i]
+        if self._chunked and not self._fresh_chunks(keys, values, fresh):
+            return self._replan(resolved)
+        self.hits += 1
         return LocalPlan(cached.specs, fresh, cached.planner_data, by_key=cached.by_key, dtensors=dtensors)
+
+    def _fresh_chunks(self, keys: list[str], values: list[Any], fresh: dict[Any, Any]) -> bool:
+        """Put this save's chunks of the checkpointable leaves into ``fresh`` (by key, in place of
+        the objects); ``False`` if some object now lists other chunks than the cached ones."""
+        for i, specs in self._chunked:
+            items = checkpointable_items(keys[i], values[i])
+            if [s for s, _ in items] != specs:
+                return False
+            del fresh[keys[i]]
+            fresh.update((s.key, shard) for s, shard in items)
+        return True
 
     def _replan(self, state_dict: Any) -> LocalPlan:
         self._plan = self._keys = self._signature = None
@@ -119,4 +151,10 @@ class StructureCache:
         if None not in signature:
             self._keys, self._signature, self._plan = keys, signature, plan
             self._dtensors = [i for i, v in enumerate(values) if _is_dtensor(v)]
+            chunked = [i for i, sig in enumerate(signature) if type(sig) is tuple and sig[0] is _CHUNKED]
+            by_fqn: dict[str, list[ItemSpec]] = {keys[i]: [] for i in chunked}
+            for spec in plan.specs:
+                if spec.fqn in by_fqn:
+                    by_fqn[spec.fqn].append(spec)
+            self._chunked = [(i, by_fqn[keys[i]]) for i in chunked]
         return plan

@@ -170,9 +170,12 @@ def _check_durable_root(options: CheckpointerOptions) -> None:
     object.__setattr__(options, "durable_root", os.fspath(root))
 
 
-def add_option_flags(group: Any, cls: type = CheckpointerOptions) -> None:
-    """Add one flag per field of ``cls`` (an options dataclass declared with :func:`option`)."""
+def add_option_flags(group: Any, cls: type = CheckpointerOptions, only: tuple[str, ...] | None = None) -> None:
+    """Add one flag per field of ``cls`` (an options dataclass declared with :func:`option`), or
+    per field named in ``only``."""
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         meta = f.metadata
         default = f.default if meta["cli_default"] is dataclasses.MISSING else meta["cli_default"]
         if f.type in (bool, "bool"):

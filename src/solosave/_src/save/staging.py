@@ -50,7 +50,7 @@ import torch
 
 from solosave._src.coordination.protocol import ItemKind, ItemSpec, StagedItem, StagedSave
 from solosave._src.core.errors import SaveTimeoutError, StagingRaceError
-from solosave._src.plan.local_plan import serialize_bytes
+from solosave._src.plan.local_plan import serialize_bytes, value_key
 from solosave._src.save.buffer import STAGING_DIR_ENV, BufferReader, _Buffer, _Lease
 from solosave._src.save.device import CudaRuntime, DeviceRuntime
 
@@ -73,6 +73,8 @@ class _Plan:
     specs: list[ItemSpec]
     buffer: _Buffer | None
     tensors: list[ItemSpec]
+    #: Where the plan's values hold each of ``tensors`` (``plan/local_plan.value_key``).
+    sources: list[Any]
     others: list[ItemSpec]
     views: list[torch.Tensor]
     items: tuple[StagedItem, ...]
@@ -130,10 +132,11 @@ class Stager:
                 and (p.buffer is not None and not p.buffer.busy or not p.tensors)):
             return p
         tensors = [s for s in specs if s.kind is ItemKind.TENSOR]
+        sources = [value_key(s, values) for s in tensors]
         host: list[int] = []
         by_device: dict[int, list[int]] = {}
-        for k, s in enumerate(tensors):
-            d = self.runtime.device_of(values[s.fqn])
+        for k, source in enumerate(sources):
+            d = self.runtime.device_of(values[source])
             if d is None:
                 host.append(k)
             else:
@@ -141,7 +144,7 @@ class Stager:
         buf = self._ensure(tensors, pinned=bool(by_device))
         offsets = self._offsets
         views = [buf.view(offsets[s.key], s) for s in tensors] if buf is not None else []
-        self._plan = _Plan(specs, buf, tensors, [s for s in specs if s.kind is not ItemKind.TENSOR], views,
+        self._plan = _Plan(specs, buf, tensors, sources, [s for s in specs if s.kind is not ItemKind.TENSOR], views,
                            tuple(StagedItem(s, offsets[s.key]) for s in tensors), host, by_device)
         return self._plan
 
@@ -159,7 +162,7 @@ class Stager:
         plan = self._plan_for(specs, values)
         # first, as it may raise (a value that does not pickle): then no copy has started
         others = tuple(StagedItem(s, -1, serialize_bytes(s.fqn, values[s.fqn])) for s in plan.others)
-        srcs = [values[s.fqn] for s in plan.tensors]
+        srcs = [values[k] for k in plan.sources]
         buf = plan.buffer
         rt = self.runtime
         staging = Staging(rt, buf, rt.current_device() if plan.by_device else None, self.timeout)
