@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import solosave
+from solosave._src.formats.checksum_sidecar import sidecar_limit
 from solosave._src.formats.dcp import checksum_path
 from solosave._src.save.writer import FileWriter, Record
 from tests.multiproc import rank_fns
@@ -148,7 +149,7 @@ def _record_checksums(ckpt):
     """Sidecars as a ``checksums=True`` save writes them, for a stock DCP checkpoint."""
     import pickle
 
-    from solosave._src.formats.dcp import CHECKSUM_FORMAT
+    from solosave._src.formats.checksum_sidecar import CHECKSUM_FORMAT
 
     md = pickle.loads((ckpt / ".metadata").read_bytes())
     data = (ckpt / "__0_0.distcp").read_bytes()
@@ -180,6 +181,32 @@ def test_the_checksum_summary_says_what_was_checked(ckpt, how, capsys, case_log)
     case_log(f"solosave verify: checksum file {how}" if how != "truncated data" else
              "solosave verify: a data file with checksums, truncated",
              f"exit 1, the problem listed, and the summary line says so: '{line.strip()}'")
+
+
+@pytest.mark.parametrize("how,why", [
+    ("without its records", "no list of records"),
+    ("padded past what 3 records need", f"longer than the {sidecar_limit(3)} bytes a checksum file of 3 record"),
+    ("with a string for an offset", "record 0: offset is '0', not a non-negative integer"),
+])
+def test_a_damaged_checksum_file_is_reported_with_what_is_wrong(ckpt, how, why):
+    """The sidecar is read by ``formats/checksum_sidecar.py``: at most a bounded number of bytes
+    for the records ``.metadata`` gives its data file, every field checked."""
+    _record_checksums(ckpt)
+    side = ckpt / "__0_0.distcp.crc32"
+    doc = json.loads(side.read_text())
+    if how == "without its records":
+        del doc["records"]
+        side.write_text(json.dumps(doc))
+    elif how == "with a string for an offset":
+        doc["records"][0]["offset"] = str(doc["records"][0]["offset"])
+        side.write_text(json.dumps(doc))
+    else:
+        side.write_text(json.dumps(doc) + " " * 5000)  # still JSON
+    rep = solosave.verify_checkpoint(ckpt)
+    assert not rep.ok and rep.checksums == "failed" and rep.checksum_unchecked == 3, rep
+    problems = [p for p in rep.problems if "checksum" in p]
+    assert len(problems) == 1 and problems[0].startswith("__0_0.distcp.crc32: unreadable checksum file ("), problems
+    assert why in problems[0], problems
 
 
 def _outside(ckpt, tmp_path, name):

@@ -4,7 +4,8 @@ One folder per concern, lowest first; a module imports only from its own folder 
 below it (``tests/unit/test_layering.py`` enforces it)::
 
     core       exceptions, CRC32, progress, small utilities
-    formats    DCP file names and keys, safe unpickling, the .metadata template, torch.save records
+    formats    DCP file names and keys, safe unpickling, the .metadata template, torch.save's zip layout
+               and records, the checksum sidecar
     storage    the Storage protocol, its registry, local files, fsspec URLs and uploads, read sources, write-back
     coordination  the protocol's messages, the status word, the Channel (every collective), rendezvous
     plan       pure planning: local plan, structure cache, chunks, global plan, columns, layout

@@ -142,10 +142,28 @@ def test_the_record_decoder_never_raises_on_damaged_records():
 
 def test_a_zip64_field_with_fewer_values_than_its_entry_needs_is_not_plain():
     """The finding pinned: a central directory entry whose sizes are "in its zip64 extra field"
-    (0xFFFFFFFF) while that field holds fewer values (``IndexError: pop from empty list``)."""
-    from solosave._src.formats.record_reader import _NotPlain, _zip64_sizes
+    (0xFFFFFFFF) while that field holds fewer values (``IndexError: pop from empty list``). The
+    zip parser the decoder reads through refuses it with ``ValueError``: "not plain"."""
+    from solosave._src.formats.torch_zip import IN_ZIP64, zip64_values
 
     for extra in (b"\x01\x00\x00\x00", b"\x01\x00\x08\x00" + bytes(8)):
-        with pytest.raises(_NotPlain):
-            _zip64_sizes(extra, 0xFFFFFFFF, 0xFFFFFFFF, 10)
-    assert _zip64_sizes(b"\x01\x00\x10\x00" + struct.pack("<QQ", 7, 5), 0xFFFFFFFF, 0xFFFFFFFF, 10) == (7, 5, 10)
+        with pytest.raises(ValueError, match="lacks a value"):
+            zip64_values(extra, IN_ZIP64, IN_ZIP64, 10)
+    assert zip64_values(b"\x01\x00\x10\x00" + struct.pack("<QQ", 7, 5), IN_ZIP64, IN_ZIP64, 10) == (7, 5, 10)
+
+
+def test_a_record_whose_central_directory_is_shorter_than_its_headers_is_not_plain():
+    """The end records say the central directory is one byte shorter than its headers: torch.load
+    refuses such a record, and so does the decoder (it once decoded it, the last entry's name
+    cut short)."""
+    data = bytearray(_record())
+    eocd_at = len(data) - 22
+    z64_at, = struct.unpack_from("<Q", data, eocd_at - 20 + 8)
+    struct.pack_into("<I", data, eocd_at + 12, struct.unpack_from("<I", data, eocd_at + 12)[0] - 1)
+    struct.pack_into("<Q", data, z64_at + 40, struct.unpack_from("<Q", data, z64_at + 40)[0] - 1)
+    data = bytes(data)
+    with pytest.raises(RuntimeError, match="zip archive"):
+        torch.load(io.BytesIO(data), weights_only=True)
+    assert parse_tensor_record(lambda off, n: data[off:off + n], len(data), RecordCache()) is None
+    good = _record()
+    assert parse_tensor_record(lambda off, n: good[off:off + n], len(good), RecordCache()) is not None

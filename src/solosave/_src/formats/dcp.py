@@ -4,7 +4,8 @@ Everything that says what a checkpoint directory looks like lives here, so that 
 planner, the prepared metadata, the loader and ``solosave verify`` agree by construction:
 
 * file names: ``__{rank}_{n}.distcp`` data files, ``.metadata`` (published last), the CRC32
-  sidecar ``<data file>.crc32``, the load index ``.solosave-index``;
+  sidecar ``<data file>.crc32`` (what it holds: :mod:`solosave._src.formats.checksum_sidecar`),
+  the load index ``.solosave-index``;
 * item keys: an item is identified by ``(fqn, chunk offsets)`` (``offsets`` ``None`` for a
   non-tensor); :func:`item_key` is the one normaliser from any of DCP's spellings
   (``MetadataIndex``, ``torch.Size``, lists) to that tuple;
@@ -42,7 +43,6 @@ INDEX_FILE = ".solosave-index"
 DATA_SUFFIX = ".distcp"
 #: Suffix of the checksum sidecar of a data file: ``__0_0.distcp`` -> ``__0_0.distcp.crc32``.
 CHECKSUM_SUFFIX = ".crc32"
-CHECKSUM_FORMAT = "solosave-crc32/1"
 
 #: An item's identity: its flattened key and, for tensors, the chunk offsets.
 ItemKey = tuple[str, tuple[int, ...] | None]

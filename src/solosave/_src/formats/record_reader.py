@@ -4,11 +4,12 @@ A tensor record is what ``torch.save`` writes for one tensor: a zip archive (ent
 uncompressed) holding ``<prefix>/data.pkl`` (a small pickle that calls
 ``torch._utils._rebuild_tensor_v2`` or ``_v3`` on one storage), ``<prefix>/byteorder``, the
 storage bytes in ``<prefix>/data/<key>`` and a few bookkeeping entries. :func:`parse_tensor_record`
-reads the zip's central directory (offsets relative to the record's first byte, as torch's
-writer records them), runs ``data.pkl`` through an unpickler that knows only those rebuild
-functions and storage classes - mapped to inert stand-ins that record their arguments, so
-nothing of torch's or anyone's code runs - plus dtypes and ``OrderedDict``, and returns where
-the storage lies in the record and which tensor view of it was saved (:class:`TensorLayout`).
+finds the entries through :mod:`solosave._src.formats.torch_zip` (the one parser of that zip
+layout; offsets relative to the record's first byte, as torch's writer records them), runs
+``data.pkl`` through an unpickler that knows only those rebuild functions and storage classes -
+mapped to inert stand-ins that record their arguments, so nothing of torch's or anyone's code
+runs - plus dtypes and ``OrderedDict``, and returns where the storage lies in the record and
+which tensor view of it was saved (:class:`TensorLayout`).
 Records of one shape share their zip structure and ``data.pkl``: a :class:`RecordCache`
 (one per load) keeps both, so most records are decoded by comparing a few hundred bytes.
 
@@ -22,26 +23,19 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from solosave._src.formats import torch_zip
 from solosave._src.formats.safe_pickle import check_lengths
 
 #: ``get(offset, n)``: ``n`` bytes of the record from ``offset`` (relative to its first byte).
-Getter = Callable[[int, int], Any]
-
-_EOCD = struct.Struct("<4s4H2IH")          # end of central directory, 22 bytes
-_Z64_LOCATOR = struct.Struct("<4sIQI")      # zip64 end-of-central-directory locator, 20 bytes
-_Z64_EOCD = struct.Struct("<4sQ2H2I4Q")     # zip64 end of central directory, 56 bytes
-_CENTRAL = struct.Struct("<4s6H3I5H2I")     # central directory file header, 46 bytes
-_LOCAL = struct.Struct("<4s5H3I2H")         # local file header, 30 bytes
-_U32 = 0xFFFFFFFF
+Getter = torch_zip.Getter
 
 _DTYPES: dict[str, torch.dtype] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _LEGACY_STORAGES: dict[str, torch.dtype] = {
@@ -219,87 +213,12 @@ def _row_major(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def _directory(get: Getter, length: int) -> tuple[int, int, int]:
-    """``(entries, size, offset)`` of the central directory, from the end-of-central-directory
-    record (the zip64 one when torch's writer recorded it, as it always does)."""
-    if length < _EOCD.size:
-        raise _NotPlain
-    sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack_from(get(length - _EOCD.size, _EOCD.size))
-    if sig != b"PK\x05\x06" or comment:
-        raise _NotPlain
-    loc_at = length - _EOCD.size - _Z64_LOCATOR.size
-    if loc_at >= 0:
-        lsig, _, z64_at, _ = _Z64_LOCATOR.unpack_from(get(loc_at, _Z64_LOCATOR.size))
-        if lsig == b"PK\x06\x07":
-            if z64_at + _Z64_EOCD.size > loc_at:
-                raise _NotPlain
-            fields = _Z64_EOCD.unpack_from(get(z64_at, _Z64_EOCD.size))
-            if fields[0] != b"PK\x06\x06":
-                raise _NotPlain
-            count, cd_size, cd_offset = fields[7], fields[8], fields[9]
-    if count > 64 or cd_offset + cd_size > length:
-        raise _NotPlain
-    return count, cd_size, cd_offset
-
-
-def _entries(cd: Any, count: int) -> tuple[dict[bytes, tuple[int, int, int, int]], list[int]]:
-    """``{name: (method, compressed size, size, local header offset)}`` of the central
-    directory ``cd``, and the positions of its CRC fields."""
-    out: dict[bytes, tuple[int, int, int, int]] = {}
-    crcs: list[int] = []
-    pos = 0
-    for _ in range(count):
-        (sig, _, _, _, method, _, _, _, csize, usize, nlen, elen, clen, _, _, _,
-         local) = _CENTRAL.unpack_from(cd, pos)
-        if sig != b"PK\x01\x02":
-            raise _NotPlain
-        name = bytes(cd[pos + 46:pos + 46 + nlen])
-        if _U32 in (csize, usize, local):
-            usize, csize, local = _zip64_sizes(cd[pos + 46 + nlen:pos + 46 + nlen + elen], usize, csize, local)
-        out[name] = (method, csize, usize, local)
-        crcs.append(pos + 16)
-        pos += 46 + nlen + elen + clen
-    return out, crcs
-
-
-def _zip64_sizes(extra: Any, usize: int, csize: int, local: int) -> tuple[int, int, int]:
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, n = struct.unpack_from("<2H", extra, pos)
-        if tag == 1:
-            values = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
-            if len(values) < (usize, csize, local).count(_U32):
-                raise _NotPlain  # the field lacks a value the entry says it holds
-            if usize == _U32:
-                usize = values.pop(0)
-            if csize == _U32:
-                csize = values.pop(0)
-            if local == _U32:
-                local = values.pop(0)
-            return usize, csize, local
-        pos += 4 + n
-    raise _NotPlain
-
-
-def _entry_data(get: Getter, entry: tuple[int, int, int, int], end: int) -> tuple[int, int, bytes]:
-    """``(start, size, local header)`` of a stored (uncompressed) entry, checked to end before
-    ``end``."""
-    method, csize, usize, local = entry
-    if method != 0 or csize != usize or local + _LOCAL.size > end:
-        raise _NotPlain
-    sig, _, _, lmethod, _, _, _, _, _, nlen, elen = _LOCAL.unpack_from(get(local, _LOCAL.size))
-    start = local + _LOCAL.size + nlen + elen
-    if sig != b"PK\x03\x04" or lmethod != 0 or start + usize > end:
-        raise _NotPlain
-    return start, usize, bytes(get(local, start - local))
-
-
 @dataclass(slots=True)
 class _Template:
     """The zip structure of one parsed record. Records of equal shape written by the same
     torch differ only in their CRCs (central directory) and in the bytes of their entries, so
     a record whose central directory (CRCs aside) and local headers equal these is parsed by
-    comparing bytes (measured: 21 us per record fully parsed, a few with a template)."""
+    comparing bytes instead of parsing them again."""
 
     cd: bytes                               # the central directory, CRC fields zeroed
     crcs: tuple[int, ...]
@@ -318,7 +237,9 @@ class _Template:
 
 
 def _template(get: Getter, length: int, cd: Any, count: int) -> _Template:
-    entries, crcs = _entries(cd, count)
+    listed = torch_zip.central_entries(cd, count)
+    entries = {e.name: e for e in listed}
+    crcs = [e.crc_at for e in listed]
     pkl_name = next((n for n in entries if n.endswith(b"/data.pkl")), None)
     if pkl_name is None:
         raise _NotPlain
@@ -327,12 +248,14 @@ def _template(get: Getter, length: int, cd: Any, count: int) -> _Template:
     if prefix + b"byteorder" not in entries or len(storages) != 1:
         raise _NotPlain
     names = (pkl_name, prefix + b"byteorder", storages[0])
-    found = [_entry_data(get, entries[n], length) for n in names]
+    found = [torch_zip.stored_data(get, entries[n], length) for n in names]
     masked = bytearray(cd)
     for at in crcs:
         masked[at:at + 4] = b"\0\0\0\0"
-    headers = tuple((entries[n][3], h) for n, (_, _, h) in zip(names, found))
-    return _Template(bytes(masked), tuple(crcs), headers, found[0][:2], found[1][:2], found[2][:2],
+    headers = tuple((entries[n].local, h) for n, (_, h) in zip(names, found))
+    (pkl, _), (order, _), (data, _) = found
+    return _Template(bytes(masked), tuple(crcs), headers, (pkl, entries[names[0]].size),
+                     (order, entries[names[1]].size), (data, entries[names[2]].size),
                      storages[0][len(prefix) + 5:].decode())
 
 
@@ -373,14 +296,14 @@ def parse_tensor_record(get: Getter, length: int, cache: RecordCache) -> TensorL
         return None
     quick = cache.quick.get(length)
     if quick is not None and all(get(at, len(b)) == b for at, b in quick[0]):
-        return quick[1]  # measured: 6.3-6.5 us per 32 KiB record instead of 8.3-8.8 (CPU time)
+        return quick[1]  # a record of a length seen before: compared, not decoded
     try:
-        count, cd_size, cd_offset = _directory(get, length)
-        cd = get(cd_offset, cd_size)
-        key = (length, cd_offset, cd_size)
+        directory = torch_zip.find_directory(get, length, torch_zip.ONE_TENSOR_MAX_ENTRIES)
+        cd = torch_zip.read_exact(get, directory.offset, directory.size, length)
+        key = (length, directory.offset, directory.size)
         tpl = cache.templates.get(key)
         if tpl is None or not tpl.matches(get, cd):
-            tpl = cache.templates[key] = _template(get, length, cd, count)
+            tpl = cache.templates[key] = _template(get, length, cd, directory.count)
         if bytes(get(*tpl.order)) != b"little":
             return None
         pkl = bytes(get(*tpl.pkl))
@@ -389,27 +312,19 @@ def parse_tensor_record(get: Getter, length: int, cache: RecordCache) -> TensorL
             tpl.layouts[pkl] = None if spec is None else _layout(spec, tpl)
         layout = tpl.layouts[pkl]
         if layout is not None:
-            cache.quick[length] = (_marks(get, length, cd_offset, tpl, pkl), layout)
+            cache.quick[length] = (_marks(directory, tpl, pkl), layout)
         return layout
-    except (_NotPlain, struct.error, UnicodeError, ValueError, IndexError, KeyError, TypeError, OverflowError):
+    except (_NotPlain, UnicodeError, ValueError, IndexError, KeyError, TypeError, OverflowError):
         return None  # damaged or another form: torch.load(weights_only=True) reads it, or says what is wrong
 
 
-def _marks(get: Getter, length: int, cd_offset: int, tpl: _Template, pkl: bytes) -> tuple[tuple[int, bytes], ...]:
+def _marks(directory: torch_zip.Directory, tpl: _Template, pkl: bytes) -> tuple[tuple[int, bytes], ...]:
     """``(offset, bytes)`` of everything the decoding of this record read except its CRC
-    fields: the end-of-directory records, the central directory, the local headers relied on,
+    fields: the end records, the central directory, the local headers relied on,
     ``byteorder`` and ``data.pkl``. Another record of the same length holding these bytes
     decodes to the same layout, step for step."""
-    marks = []
-    eocd_at = length - _EOCD.size
-    marks.append((eocd_at, bytes(get(eocd_at, _EOCD.size))))
-    loc_at = eocd_at - _Z64_LOCATOR.size
-    if loc_at >= 0:
-        locator = bytes(get(loc_at, _Z64_LOCATOR.size))
-        marks.append((loc_at, locator))
-        lsig, _, z64_at, _ = _Z64_LOCATOR.unpack(locator)
-        if lsig == b"PK\x06\x07":
-            marks.append((z64_at, bytes(get(z64_at, _Z64_EOCD.size))))
+    marks = list(directory.ends)
+    cd_offset = directory.offset
     pos = 0
     for at in sorted(tpl.crcs):  # the central directory between its CRC fields
         if at > pos:

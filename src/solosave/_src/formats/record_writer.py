@@ -3,23 +3,23 @@
 A DCP tensor record is a ``torch.save`` archive (a zip) of one tensor. Per record, ``torch.save``
 pickles the tensor, writes a handful of small zip entries, copies the storage bytes and computes
 the zip's CRC32 of them. For a given dtype and shape, everything but the storage bytes and the
-two CRC fields is the same on every save. :func:`frame_for` builds that frame once per
+two CRC fields is the same on every save. :func:`build_frame` builds that frame once per
 ``(dtype, shape)`` by running ``torch.save`` under ``torch.serialization.skip_data`` into a sink
-that keeps only the metadata bytes (no storage is read or allocated). Writing a record is then
-``prefix``, the staged bytes straight from the staging buffer, and ``suffix`` with the CRC32
-patched in: the byte layout of ``torch.save``'s own record, so stock ``torch.load`` / DCP read it
-(``tests/test_records.py`` compares the bytes).
+that keeps only the metadata bytes (no storage is read or allocated), and finds the fields that
+depend on the storage bytes through :mod:`solosave._src.formats.torch_zip` (the one parser of the
+archive's zip layout). Writing a record is then ``prefix``, the staged bytes straight from the
+staging buffer, and ``suffix`` with the CRC32 patched in: the byte layout of ``torch.save``'s own
+record, so stock ``torch.load`` / DCP read it (``tests/unit/formats/test_records.py`` compares
+the bytes).
 
-The one difference: the archive's ``.data/serialization_id`` entry (an opaque id that
-``torch.load`` only reports to its logging hooks) is the template's, not one derived from the
-data. Tensors whose storage is not exactly their bytes (views, non-contiguous, empty) and
-torch builds without ``skip_data`` take ``torch.save`` itself.
+The archive's ``.data/serialization_id`` entry (an opaque id folded from the CRC32s of the
+entries) is recomputed per record too. Tensors whose storage is not exactly their bytes (views,
+non-contiguous, empty) and torch builds without ``skip_data`` take ``torch.save`` itself.
 """
 
 from __future__ import annotations
 
 import ctypes
-import struct
 import threading
 import zlib
 from dataclasses import dataclass
@@ -29,11 +29,7 @@ import numpy as np
 import torch
 
 from solosave._src.core.checksum import crc32
-
-_CD_SIG = b"PK\x01\x02"
-_EOCD_SIG = b"PK\x05\x06"
-_DESC_SIG = b"PK\x07\x08"
-
+from solosave._src.formats import torch_zip
 
 _MASK = (1 << 64) - 1
 
@@ -111,18 +107,18 @@ class TensorFrame:
 
     def suffix_with(self, crc: int) -> bytes:
         """The suffix of one record whose storage bytes have the CRC32 ``crc`` (the same bytes
-        as a row of :meth:`suffixes_with`, computed per record: about 5 us against 230 us for
-        a batch of one; the path of writers that see records one by one)."""
+        as a row of :meth:`suffixes_with`, computed per record: far cheaper than a batch of
+        one; the path of writers that see records one by one)."""
         s = bytearray(self.suffix)
         for at in self.crc_at:
-            struct.pack_into("<I", s, at, crc)
+            torch_zip.put_crc(s, at, crc)
         folded = _hash_combine(self.fold_seed, crc)
         for c in self.chain_after:
             folded = _hash_combine(folded, c)
         s[self.id_at:self.id_at + _ID_DIGITS] = b"%020d" % folded
         id_crc = zlib.crc32(bytes(s[self.id_at - _ID_DIGITS:self.id_at + _ID_DIGITS]))
         for at in self.id_crc_at:
-            struct.pack_into("<I", s, at, id_crc)
+            torch_zip.put_crc(s, at, id_crc)
         return bytes(s)
 
 
@@ -193,7 +189,7 @@ def build_frame(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorFrame | Non
     prefix, suffix = _stitch(sink.parts, 0, start), _stitch(sink.parts, stop, sink.end)
     try:
         return _frame(prefix, suffix, nbytes, stop)
-    except (ValueError, struct.error):  # an archive of a form this code does not know
+    except ValueError:  # an archive of a form this code does not know
         return None
 
 
@@ -206,63 +202,40 @@ def _holes(sink: _Sink) -> list[tuple[int, int]]:
     return holes
 
 
-def _central_directory(suffix: bytes) -> list[tuple[bytes, int, int, int]]:
-    """``(name, crc32, local header offset, entry offset in suffix)`` of every entry."""
-    eocd = suffix.rfind(_EOCD_SIG)
-    pos = suffix.find(_CD_SIG)
-    if eocd < 0 or pos < 0:
-        raise ValueError("no central directory")
-    out = []
-    while pos < eocd and suffix[pos:pos + 4] == _CD_SIG:
-        crc, = struct.unpack_from("<I", suffix, pos + 16)
-        name_len, extra_len, comment_len = struct.unpack_from("<HHH", suffix, pos + 28)
-        local, = struct.unpack_from("<I", suffix, pos + 42)
-        name = suffix[pos + 46:pos + 46 + name_len]
-        if local == 0xFFFFFFFF:  # zip64: the offset is in the extra field
-            local = _zip64_offset(suffix[pos + 46 + name_len:pos + 46 + name_len + extra_len])
-        out.append((name, crc, local, pos))
-        pos += 46 + name_len + extra_len + comment_len
-    return out
-
-
-def _zip64_offset(extra: bytes) -> int:
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, size = struct.unpack_from("<HH", extra, pos)
-        if tag == 1:
-            return struct.unpack_from("<Q", extra, pos + 4 + size - 8)[0]
-        pos += 4 + size
-    raise ValueError("zip64 offset missing")
-
-
-def _descriptor_crc(suffix: bytes, at: int) -> int:
-    return at + 4 if suffix[at:at + 4] == _DESC_SIG else at
-
-
 def _frame(prefix: bytes, suffix: bytes, nbytes: int, base: int) -> TensorFrame:
     """Locate in ``suffix`` (archive offset ``base``, right after the storage bytes) what
-    :meth:`TensorFrame.suffixes_with` patches."""
-    entries = _central_directory(suffix)
-    data = [e for e in entries if e[0].endswith(b"/data/0")]
-    ident = [e for e in entries if e[0].endswith(b"/.data/serialization_id")]
+    :meth:`TensorFrame.suffixes_with` patches: the data entry's CRC32 in its data descriptor
+    (the first bytes of ``suffix``) and in its central header; the serialization id's digits,
+    and its CRC32 in its descriptor and central header."""
+    length = base + len(suffix)
+
+    def get(at: int, n: int) -> bytes:  # only the bytes from ``base`` on are in the frame
+        if at < base:
+            raise ValueError("a zip structure the frame needs lies before the storage bytes")
+        return suffix[at - base:at - base + n]
+
+    d = torch_zip.find_directory(get, length, torch_zip.ONE_TENSOR_MAX_ENTRIES)
+    entries = torch_zip.central_entries(torch_zip.read_exact(get, d.offset, d.size, length), d.count)
+    data = [e for e in entries if e.name.endswith(b"/data/0")]
+    ident = [e for e in entries if e.name.endswith(b"/.data/serialization_id")]
     if len(data) != 1 or len(ident) != 1 or ident[0] is not entries[-1]:
         raise ValueError("unexpected entries")
-    id_local = ident[0][2] - base
-    if id_local < 0 or suffix[id_local:id_local + 4] != b"PK\x03\x04":
-        raise ValueError("serialization id entry not after the data")
-    name_len, extra_len = struct.unpack_from("<HH", suffix, id_local + 26)
-    id_data = id_local + 30 + name_len + extra_len
-    if not suffix[id_data:id_data + 40].isdigit():
+    id_data = torch_zip.stored_data(get, ident[0], length)[0] - base
+    if ident[0].size != 2 * _ID_DIGITS or not suffix[id_data:id_data + 2 * _ID_DIGITS].isdigit():
         raise ValueError("serialization id is not 40 digits")
     at = entries.index(data[0])
     seed = 0
     for e in entries[:at]:
-        seed = _hash_combine(seed, e[1])
-    base, table = _id_crc_table(suffix, id_data + 20)
-    return TensorFrame(prefix, suffix, nbytes, crc_at=(_descriptor_crc(suffix, 0), data[0][3] + 16),
-                       fold_seed=seed, chain_after=tuple(e[1] for e in entries[at + 1:-1]), id_at=id_data + 20,
-                       id_crc_at=(_descriptor_crc(suffix, id_data + 40), ident[0][3] + 16),
-                       id_crc_base=base, id_crc_table=table)
+        seed = _hash_combine(seed, e.crc)
+    id_crc_base, table = _id_crc_table(suffix, id_data + _ID_DIGITS)
+    cd_at = d.offset - base  # the central directory's offset in ``suffix``
+    id_descriptor = id_data + ident[0].size
+    return TensorFrame(prefix, suffix, nbytes,
+                       crc_at=(torch_zip.descriptor_crc_at(suffix, 0), cd_at + data[0].crc_at),
+                       fold_seed=seed, chain_after=tuple(e.crc for e in entries[at + 1:-1]),
+                       id_at=id_data + _ID_DIGITS,
+                       id_crc_at=(torch_zip.descriptor_crc_at(suffix, id_descriptor), cd_at + ident[0].crc_at),
+                       id_crc_base=id_crc_base, id_crc_table=table)
 
 
 class FrameCache:
@@ -313,16 +286,6 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
 def record_crc(data: memoryview) -> int:
     """The zip CRC32 of a record's storage bytes (releases the GIL on large buffers)."""
     return crc32(data)
-
-
-
-
-
-
-
-
-
-
 
 
 class CrcAhead:

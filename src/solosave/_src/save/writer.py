@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import functools
 import io
-import json
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -30,7 +29,8 @@ import torch
 
 from solosave._src.coordination.protocol import WriteResult
 from solosave._src.core.checksum import crc32
-from solosave._src.formats.dcp import CHECKSUM_FORMAT, ItemKey, checksum_path
+from solosave._src.formats.checksum_sidecar import sidecar_bytes
+from solosave._src.formats.dcp import ItemKey, checksum_path
 from solosave._src.formats.record_writer import CrcAhead, FrameCache, TensorFrame, raw_bytes, record_crc
 from solosave._src.storage.base import DataFile
 from solosave._src.storage.registry import storage_for
@@ -203,8 +203,9 @@ class FileWriter:
     def __init__(self, fsync: bool = True, checksums: bool = False, *, storage_options: dict | None = None,
                  part_size: int | None = None, upload_concurrency: int | None = None) -> None:
         self.fsync = fsync
-        #: Record a CRC32 of every record in a sidecar ``<file>.crc32`` (JSON), written and
-        #: fsynced before the data file's results are reported, so before ``.metadata``.
+        #: Record a CRC32 of every record in a sidecar ``<file>.crc32`` (JSON, see
+        #: ``formats/checksum_sidecar.py``), written and fsynced before the data file's results
+        #: are reported, so before ``.metadata``.
         self.checksums = checksums
         if storage_options is not None:
             self.storage_options = dict(storage_options)
@@ -390,13 +391,12 @@ class FileWriter:
             raise _write_error(raw, records[batch[0][0]], e) from e
 
     def _write_checksums(self, sidecar: str, results: list[WriteResult], crcs: list[int]) -> None:
-        doc = {"format": CHECKSUM_FORMAT,
-               "records": [{"offset": off, "length": n, "crc32": c}
-                           for (_, _, off, n), c in zip(results, crcs, strict=True)]}
+        """Write the sidecar of a data file (``formats/checksum_sidecar.py``): one CRC32 per record."""
+        data = sidecar_bytes((off, n, c) for (_, _, off, n), c in zip(results, crcs, strict=True))
         out = storage_for(sidecar, self.storage_options).open_data(
             sidecar, fsync=self.fsync, part_size=self.part_size, concurrency=self.upload_concurrency)
         try:
-            out.write(json.dumps(doc, separators=(",", ":")).encode())
+            out.write(data)
         except BaseException:
             out.close()
             raise
