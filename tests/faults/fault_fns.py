@@ -383,7 +383,7 @@ def receipt_lost(rank: int, ws: int, root: str, timeout: float) -> dict:
     if rank == 0:
         wait_for_file(marker)
         out["published_at_kill"] = os.path.exists(f"{root}/c1/.metadata")
-        os.kill(ck.worker_pid, signal.SIGKILL)
+        os.kill(worker_pid(ck), signal.SIGKILL)
     out["c1"] = _wait(h, timeout)
     out["c1"]["after_s"] = round(time.monotonic() - t0, 2)
     ck.close(timeout)  # rank 0's store goes with it: what the other ranks were waiting on
