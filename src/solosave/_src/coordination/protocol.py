@@ -356,7 +356,7 @@ class WrittenColumns(NamedTuple):
     ``positions[i]`` of its held list (the list it sent in :class:`PlanRequest`), written to
     ``files[file[i]]`` at ``offset[i]``, ``length[i]`` bytes. The coordinator knows every held
     item's chunk from the plan, so it matches rows to chunks by position, with no key per row
-    (issue 15: 800k keyed rows at W=4096 took seconds to unpickle and match)."""
+    (keyed rows, 800k at W=4096, took seconds to unpickle and match)."""
 
     positions: array
     files: list[str]

@@ -2,10 +2,10 @@
 the checksum sidecars and ``solosave verify``.
 
 It is the one pass over the staged bytes that a save adds to the write itself (the zip format of
-DCP's records needs it), so its speed counts where the writers share few cores: ``zlib.crc32``
-ran at 2.1-2.3 GB/s here (2-core AMD EPYC), ISA-L's (the ``isal`` package, a dependency on
-x86-64 and ARM64) at 7.8 GB/s on the same 128 MiB buffer; both release the GIL on large buffers
-and give the same values. Without ``isal``, or with the environment variable
+DCP's records needs it), so its speed counts where the writers share few cores. ISA-L's CRC32
+(the ``isal`` package, a dependency on x86-64 and ARM64) is several times faster than
+``zlib.crc32`` (docs/benchmarks.md); both release the GIL on large buffers and give the same
+values. Without ``isal``, or with the environment variable
 ``SOLOSAVE_CRC32=zlib`` (read once, at import: benchmarks compare the two), zlib's is used.
 """
 

@@ -56,7 +56,7 @@ from solosave._src.formats.dcp import INDEX_FILE, METADATA_VERSION, dtype_name, 
 from solosave._src.formats.metadata_template import MetadataTemplate, pickled_str
 from solosave._src.storage.registry import storage_for
 
-if TYPE_CHECKING:  # _results imports _sections, which builds indexes: imported where used
+if TYPE_CHECKING:  # plan/columns is above index: named for the annotations only
     from solosave._src.plan.columns import ChunkTable, ResultColumns
 
 __all__ = ["INDEX_FILE", "body_from_columns", "body_from_metadata", "render", "shifted", "write"]
@@ -76,7 +76,7 @@ CRC = struct.Struct("<I")
 def body_from_columns(sdm: Mapping[str, Any], planner_data: Mapping[str, Any] | None, table: ChunkTable,
                       res: ResultColumns) -> bytes:
     """The body of the index of a collective save, from the columns ``finish`` already has:
-    ``res`` covers every chunk of ``table`` exactly once (``_results.placed_columns``)."""
+    ``res`` covers every chunk of ``table`` exactly once (``plan/columns.placed_columns``)."""
     n = table.n
     cfile = np.zeros(n, np.int64)
     coff = np.zeros(n, np.int64)

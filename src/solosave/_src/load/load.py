@@ -18,8 +18,8 @@ sees one read of ``.metadata`` per load instead of one per rank (at W=4096 that 
 of each rank's error, so that every rank raises the same one.
 
 Stock DCP's collective load gathers every rank's load plan to rank 0 and scatters it back
-although its default global step returns the plans unchanged: at W=2 with 2048 small tensors
-per rank that pickling and moving was about 0.5 s of a 1.2 s load (measured, issue 14). A
+although its default global step returns the plans unchanged: with many small tensors that
+pickling and moving is a large part of a load (docs/benchmarks.md, section 4). A
 planner with a global step of its own still goes through ``dcp.load`` (:func:`_dcp_load`).
 """
 
@@ -429,8 +429,8 @@ def _plans_locally(planner: Any) -> bool:
 
 
 def _is_stateful(value: Any) -> bool:
-    """DCP's ``Stateful`` test (both methods present), without its protocol check (about 50 us
-    per top-level key, measured: a third of the load of 2048 small tensors)."""
+    """DCP's ``Stateful`` test (both methods present), without its ``runtime_checkable``
+    protocol check, which is slow enough per key to count in a load of many small tensors."""
     return (not isinstance(value, torch.Tensor) and hasattr(value, "state_dict")
             and hasattr(value, "load_state_dict"))
 

@@ -271,8 +271,8 @@ class _Loader:
         """Read the direct chunks queued for file ``fd``, in offset order, with one ``preadv``
         per run of chunks less than ``GAP_MAX`` apart (the bytes between them, record headers,
         go to a scratch buffer), then commit them. Reading them after the file's records are
-        decoded keeps the decoding's Python work out of the caches the copies sweep (measured:
-        issue 14, docs/benchmarks.md)."""
+        decoded keeps the decoding's Python work out of the caches the copies sweep (the
+        measurements: docs/benchmarks.md, section 4)."""
         queue = sorted(self._queued, key=lambda q: q.offset)
         self._queued = []
         self._queued_storages.clear()

@@ -7,7 +7,7 @@ straight into the tensor by :mod:`solosave._src.load.read_path`; DCP's planner p
 (:func:`planning_the_rest`).
 
 Called by :func:`solosave._src.load.load._load_local` on every loading rank, alone, before DCP's planning.
-Measured: docs/benchmarks.md, section 4 (issue 14).
+Measurements: docs/benchmarks.md, section 4.
 """
 
 from __future__ import annotations
@@ -90,14 +90,14 @@ def planning_the_rest(planner: Any, whole: Sequence[tuple[WholeRead, Any]]) -> I
 def whole_reads(flat: Mapping[str, Any], index: LoadIndex) -> list[tuple[WholeRead, Any]]:
     """The tensors of the flattened state dict ``flat`` that the checkpoint holds as one record
     each (the index says so), with their storage entries: read straight into them, without DCP's
-    per-item planning objects (measured: issue 14, docs/benchmarks.md). A plain tensor needs its
+    per-item planning objects (docs/benchmarks.md, section 4). A plain tensor needs its
     whole self saved as one chunk; a DTensor (its rank in the mesh) its one local shard saved as
     one chunk, at the sharding it is loaded with. Resharded, resized, absent, other tensor types
     and non-tensor values are left to DCP's planner."""
     wanted: dict[str, tuple[Any, Any, Any]] = {}
     targets: dict[str, torch.Tensor] = {}
     #: this rank's chunks of a DTensor by (global shape, placements, mesh), which decide them:
-    #: DTensor.__create_chunk_list__ costs 40 us a call here (2048 FSDP shards: 80 ms a load)
+    #: DTensor.__create_chunk_list__ is worked out once per geometry, not once per DTensor
     chunks_of: dict[tuple, Any] = {}
     for k, v in flat.items():
         kind = type(v)

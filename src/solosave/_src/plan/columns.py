@@ -2,8 +2,8 @@
 
 At W=4096 ranks of a Llama-7B-like model a create save gathers 800k write results. Turning
 each into normalised key tuples, a set and a dict of ``MetadataIndex``/``_StorageInfo`` objects
-took most of ``finish`` (issue 15). Here the rows are matched to the plan's chunks with array
-operations instead: :class:`ChunkTable` is the plan's chunks as columns (made by
+took most of ``finish`` (docs/benchmarks.md, the scale section). Here the rows are matched to
+the plan's chunks with array operations instead: :class:`ChunkTable` is the plan's chunks as columns (made by
 ``plan/global_plan`` from its own columns, or from a ``state_dict_metadata``), and
 :func:`placed_columns` gives every result row the id of its chunk (through the held positions
 ranks report, ``WrittenColumns``) and checks that the results cover the plan exactly once.

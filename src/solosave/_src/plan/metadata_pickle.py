@@ -1,10 +1,10 @@
 """The ``.metadata`` pickle of a collective save, written from columns (coordinator only).
 
 Stock DCP reads ``.metadata`` with a plain ``pickle.load``; what it must get is a ``Metadata``
-equal to the one ``_layout.build_metadata`` makes. Building that object (800k
+equal to the ``Metadata`` object DCP's own finish step would build. Building that object (800k
 ``MetadataIndex``/``_StorageInfo`` objects at W=4096) and pickling it (``_StorageInfo`` has a
-Python ``__getstate__``, called once per entry) took about 60% of a create save's ``finish``
-(issue 15). :func:`metadata_template` writes the same pickle without those objects:
+Python ``__getstate__``, called once per entry) took most of a create save's ``finish`` at
+scale (docs/benchmarks.md, the scale section). :func:`metadata_template` writes the same pickle without those objects:
 
 1. a *skeleton* ``Metadata`` - the plan's ``state_dict_metadata`` with a placeholder string for
    each tensor's ``chunks`` list, a placeholder for ``storage_data`` and ``storage_meta``

@@ -2,7 +2,7 @@
 (``solosave prepare``, a plain pickled ``Metadata`` or a version-1 file given as prepared
 metadata) into the :class:`~solosave._src.prepared.sections.LayoutColumns` that
 :func:`~solosave._src.prepared.sections.build_prepared` writes. (A create save builds its prepared file from
-columns: ``_results.prepared_from_columns``.)
+columns: :func:`prepared_from_columns`, below.)
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def prepared_from_columns(sdm: Mapping[str, object], table: ChunkTable, res: Res
                           fields: dict[str, Any], index_body: bytes | None = None) -> bytes:
     """The prepared file of a collective save from the columns: rows sorted by rank, file and
     offset with array operations and written as the column sections (version 3 on)
-    (``_sections.build_prepared``)."""
+    (``prepared/sections.build_prepared``)."""
     file_pos = torch.tensor([p for p, _ in sorted(enumerate(res.files), key=lambda x: _file_order(x[1]))],
                             dtype=torch.int64).argsort()
     order = sorted_rows(res.rank, file_pos[res.file] if res.n else res.file, res.offset)

@@ -26,7 +26,7 @@ size::
 
 An fqn id is the position of the fqn in the structure section (every rank reads it anyway).
 Version 3 sections are columns: the coordinator of a create save writes them with array
-operations (at W=4096, 800k rows; version 2 pickled a tuple per row: ~4 s, issue 15). In a
+operations (at W=4096, 800k rows; version 2 pickled a tuple per row, which took seconds). In a
 version-2 file, rank sections and buckets are pickles of the same rows and keys.
 
 Who reads what: every rank the header, its table entry, its section and the structure (its

@@ -250,8 +250,8 @@ class AsyncCheckpointer:
         try:
             directory = self._check_destination(path, overwrite)
             # No collection of the trainer's heap inside the stall: a save allocates a few small
-            # objects per item, enough to set off a generation-2 pass (21 ms per save of 2048
-            # tensors, py-spy, issue 13). Reference counting frees them; the collector resumes.
+            # objects per item, enough to set off a generation-2 pass over the whole heap.
+            # Reference counting frees them; the collector resumes afterwards.
             with gc_paused():
                 built = self._session.build(state_dict, directory, overwrite)
         except Exception as e:

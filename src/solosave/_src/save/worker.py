@@ -114,7 +114,7 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
             engine.copier.post = lambda outcome: send(WorkerMessage(WorkerEvent.DURABLE, outcome))
         # This process's heap after its imports (torch's modules: about a million objects) lives
         # as long as the process: freeze it, so that the collections a save's allocations set
-        # off do not scan it (33 ms per save of 2048 records at W=2 before, py-spy, issue 13).
+        # off do not scan it (a scan of it per save showed in the profiles: CHANGELOG).
         gc.collect()
         gc.freeze()
         send(WorkerMessage(WorkerEvent.READY, os.getpid()))

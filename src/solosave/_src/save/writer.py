@@ -89,7 +89,7 @@ def padded_payload(payload: bytes, length: int) -> bytes | None:
     (:class:`_Stub` stands in for them): the worker process does not have the trainer's
     ``__main__``, and resolving a class defined there failed the check on every save, so such
     a value never kept its padded slot and every save whose payload size changed took the
-    collective path (issue 12, item 9). Nothing of the user's code runs in the worker here.
+    collective path. Nothing of the user's code runs in the worker here.
     Storages are mapped to the CPU: the worker never touches CUDA.
     """
     extra = length - len(payload)
@@ -171,13 +171,12 @@ def _write_error(stream: BinaryIO, record: Record, e: Exception) -> OSError:
 #: Bytes gathered before one ``writev`` batch goes out.
 _BATCH_BYTES = 8 << 20
 #: The first batch of a file: the disk starts once its records' CRCs are known, and the
-#: batches double from here to ``_BATCH_BYTES``. Measured in one run (W=2, 2048 x 32 KiB per
-#: rank, files alternating, 20 each): the first ``writev`` 2.4 ms after the file opened, 3.9 ms
-#: with 8 MiB from the start.
+#: batches double from here to ``_BATCH_BYTES`` (the disk starts sooner than with 8 MiB from
+#: the start: CHANGELOG).
 _FIRST_BATCH_BYTES = 1 << 20
-#: Records of one frame in a batch from which their suffixes are built at once: measured here
-#: (two runs), ``suffixes_with`` costs 210 to 260 us plus 0.4 us per record, ``suffix_with``
-#: 4.5 to 5.3 us each (the break-even is about 45 records).
+#: Records of one frame in a batch from which their suffixes are built at once
+#: (``suffixes_with``, a fixed cost plus a small one per record) rather than one by one
+#: (``suffix_with``): about where the two cost the same.
 _SUFFIXES_AT_ONCE = 64
 
 
