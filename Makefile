@@ -12,6 +12,12 @@ DEV_DEPS := $(VENV)/.installed-dev
 # --no-compile: no byte-compiling of every installed module (most of torch's are never imported
 # by the job; Python compiles those it imports on first use).
 PIP := $(BIN)/pip install -q --no-compile
+# Every interpreter that the targets start (ranks, workers, tests) may cache the bytecode of
+# the modules it imports in .venv: an environment with PYTHONDONTWRITEBYTECODE set (this
+# project's machines have it) otherwise recompiles torch, sympy and DCP from source in every
+# process, which made each worker start three times as costly (docs/benchmarks.md, "The test
+# suite's time").
+unexport PYTHONDONTWRITEBYTECODE
 
 TRAIN_DIR ?= runs/train
 # pytest-xdist processes for `make test`: most tests wait on process start-ups, deadlines and
