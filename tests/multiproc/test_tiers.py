@@ -33,7 +33,7 @@ def test_a_failed_copy_is_reported_on_every_rank_and_the_next_copy_succeeds(tmp_
     out = run_ranks(tier_fns.failed_copy, 2, str(tmp_path), TIMEOUT, persistent, timeout=200)
     for o in out:
         assert all(o[s]["published"] for s in range(3))  # the fast tier: every save published
-        assert o[0]["ok"] and o[2]["ok"] and not o[1]["ok"]
+        assert o[0]["ok"] and o[2]["ok"] and not o[1]["ok"], (o[0]["error"], o[1]["error"], o[2]["error"])
         assert o[1]["failures"] == [1] and "injected: the durable storage failed" in o[1]["error"]
         assert o[1]["calls"] == ["all_reduce", "all_gather_object"]  # the errors travel on failure only
         assert o["fast_1_loads"] and not o["durable_1_published"] and o["durable_2_loads"]

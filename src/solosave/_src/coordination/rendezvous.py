@@ -39,6 +39,42 @@ def share_store_address(group: Any, counter: CollectiveCounter, timeout_s: float
     return store, addr
 
 
+def report_closed(addr: tuple[str, int, str], connect_timeout_s: float = 2.0) -> None:
+    """A rank other than group rank 0, last in its checkpointer's ``close()`` (its worker has
+    stopped: nothing of this rank reads the store any more): count itself closed on rank 0's
+    store. Best effort and bounded: rank 0 may have gone already."""
+    host, port, prefix = addr
+    try:
+        client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=connect_timeout_s))
+        client.add(prefix + _CLOSED_KEY, 1)
+    except Exception:  # noqa: BLE001, S110 - rank 0 is gone: it needs no report
+        pass
+
+
+def linger_until_closed(store: Any, addr: tuple[str, int, str], others: int, timeout_s: float) -> bool:
+    """Group rank 0, in ``close()`` before it drops the store it serves (``store``, from
+    :func:`share_store_address`): wait, at most ``timeout_s``, until the ``others`` ranks have
+    reported closed (:func:`report_closed`). A rank a moment behind is still waiting for the
+    receipt of its last save or durable copy, which it reads from this store: dropped at once,
+    that rank would report a published save or copy as failed. Returns whether every rank
+    reported."""
+    server, _listener = store
+    key = addr[2] + _CLOSED_KEY
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if server.add(key, 0) >= others:
+                return True
+        except Exception:  # noqa: BLE001 - the store is unusable: nobody can read from it either
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
+_CLOSED_KEY = "closed"
+
+
 def _listen(host: str) -> socket.socket:
     """A listening TCP socket bound to ``host``'s address (not every interface)."""
     family, kind, proto, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]

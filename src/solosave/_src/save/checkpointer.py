@@ -50,7 +50,12 @@ from solosave._src.coordination.protocol import (
     SaveKind,
     WorkerSetup,
 )
-from solosave._src.coordination.rendezvous import new_gloo_group, share_store_address
+from solosave._src.coordination.rendezvous import (
+    linger_until_closed,
+    new_gloo_group,
+    report_closed,
+    share_store_address,
+)
 from solosave._src.core.errors import CheckpointExistsError, PreparedMetadataError, WorkerDiedError
 from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_FILE
@@ -76,13 +81,25 @@ class _Resources:
         self.transport: ProcessTransport | ThreadTransport | None = None
         self.session: SaveSession | None = None
         self.groups: list[Any] = []
+        #: Group rank 0: the store it serves for the background (receipts); every rank: its
+        #: address, and how many other ranks use it.
         self.store: Any = None
+        self.address: tuple[str, int, str] | None = None
+        self.others = 0
 
     def release(self, timeout: float) -> None:
+        """Stop the background, then (group rank 0) keep the store up, at most
+        ``min(timeout, 10)`` s, until every other rank has stopped its own: each reports so
+        here, last."""
         try:
             if self.transport is not None:
                 self.transport.close(timeout)
         finally:
+            if self.address is not None:
+                if self.store is not None:
+                    linger_until_closed(self.store, self.address, self.others, min(timeout, 10.0))
+                else:
+                    report_closed(self.address)
             if self.session is not None:
                 self.session.close()
             for group in self.groups:
@@ -146,6 +163,7 @@ class AsyncCheckpointer:
         o = self.options
         settings = EngineSettings(o.workers, o.on_layout_drift, o.prepared_path, o.storage_options, o.durable_root)
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
+        self._res.address, self._res.others = (host, port, prefix), self.world_size - 1
         if o.persistent_worker:
             spec = ChannelSpec(host, port, prefix, self.rank, self.world_size, float(o.timeout))
             self._res.transport = ProcessTransport(WorkerSetup(spec, settings, writer, os.getpid()))
@@ -406,7 +424,10 @@ class AsyncCheckpointer:
         atomically, the checkpoint is then either complete or has no ``.metadata``; the previous
         checkpoints are untouched. ``close()`` itself never raises (it logs a warning), takes at
         most about ``min(timeout, 30) + 10`` seconds beyond the save's wait, and leaves no worker
-        process or staging buffer behind. Idempotent.
+        process or staging buffer behind. Idempotent. Rank 0 serves the store from which the
+        other ranks read whether their saves were published: its ``close()`` returns once every
+        other rank has closed too (each tells it, last), or after ``min(timeout, 10)`` more
+        seconds.
 
         With two tiers it then waits, within the same ``timeout``, for the durable copies still
         running (the last save's above all); a copy that has not ended by then is abandoned (its
