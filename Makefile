@@ -13,10 +13,10 @@ DEV_DEPS := $(VENV)/.installed-dev
 # by the job; Python compiles those it imports on first use).
 PIP := $(BIN)/pip install -q --no-compile
 # Every interpreter that the targets start (ranks, workers, tests) may cache the bytecode of
-# the modules it imports in .venv: an environment with PYTHONDONTWRITEBYTECODE set (this
-# project's machines have it) otherwise recompiles torch, sympy and DCP from source in every
-# process, which made each worker start three times as costly (docs/benchmarks.md, "The test
-# suite's time").
+# what it imports (in .venv, src/ and tests/; all ignored by git and left out of the sdist): an
+# environment with PYTHONDONTWRITEBYTECODE set (this project's machines have it) otherwise
+# recompiles torch, sympy and DCP from source in every process, which made each worker start
+# about three times as costly (docs/benchmarks.md, section 9).
 unexport PYTHONDONTWRITEBYTECODE
 
 TRAIN_DIR ?= runs/train

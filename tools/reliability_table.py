@@ -28,7 +28,8 @@ SUITES = ["tests/faults/test_faults.py", "tests/faults/test_faults_input.py", "t
           "tests/multiproc/test_dcp_compat.py",
           "tests/integrations/test_train.py::test_auto_prepared_metadata_resumes_at_fewer_ranks",
           "tests/integrations/test_train.py::test_resuming_a_checkpoint_of_another_model_fails_in_one_line",
-          "tests/faults/test_untrusted.py", "tests/integrations/test_cli.py", "tests/faults/test_fuzz.py"]
+          "tests/faults/test_untrusted.py", "tests/integrations/test_cli.py", "tests/faults/test_fuzz.py",
+          "tests/multiproc/test_tiers.py", "tests/integrations/test_storage.py"]
 
 
 def run(paths: list[str], marker: str) -> tuple[dict, str, float]:

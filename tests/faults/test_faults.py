@@ -274,7 +274,7 @@ def test_close_while_a_save_is_in_flight(tmp_path, case_log):
     for o in outs:
         assert o["a"]["type"] is None  # close() let the save finish
         assert o["b"]["type"] == "CheckpointError" and "abandoned by close()" in o["b"]["msg"], o["b"]
-        assert o["b_close_s"] < 2 * 2 + 5 + 3, o["b_close_s"]
+        assert o["b_close_s"] < 2 * 2 + 5 + 3 + 2, o["b_close_s"]  # + rank 0 waiting for rank 1 to close (bounded)
         assert not o["b_worker_alive"] and o["b_segments"] == []
         assert o["save_after_close"].startswith("ValueError") and "closed" in o["save_after_close"]
         assert o["c"]["type"] is None

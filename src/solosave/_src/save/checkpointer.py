@@ -88,26 +88,34 @@ class _Resources:
         self.others = 0
 
     def release(self, timeout: float) -> None:
-        """Stop the background, then (group rank 0) keep the store up, at most
-        ``min(timeout, 10)`` s, until every other rank has stopped its own: each reports so
+        """Stop the background, free the staging, then (group rank 0) keep the store up, at
+        most ``min(timeout, 10)`` s, until every other rank has stopped its own: each reports so
         here, last."""
         try:
             if self.transport is not None:
                 self.transport.close(timeout)
         finally:
-            if self.address is not None:
-                if self.store is not None:
-                    linger_until_closed(self.store, self.address, self.others, min(timeout, 10.0))
-                else:
-                    report_closed(self.address)
-            if self.session is not None:
-                self.session.close()
-            for group in self.groups:
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:  # noqa: BLE001,S110 - already gone with the default group
-                    pass
-            self.store = None
+            try:
+                if self.session is not None:
+                    self.session.close()
+                self._hand_over_store(timeout)
+            finally:
+                for group in self.groups:
+                    try:
+                        dist.destroy_process_group(group)
+                    except Exception:  # noqa: BLE001,S110 - already gone with the default group
+                        pass
+                self.store = None
+
+    def _hand_over_store(self, timeout: float) -> None:
+        if self.address is None:
+            return
+        if self.store is None:
+            report_closed(self.address)
+        elif not linger_until_closed(self.store, self.address, self.others, min(timeout, 10.0)):
+            log.warning("solosave: closing although not every other rank has closed its checkpointer "
+                        "within %g s (one may have died); a rank still waiting for this rank's word on its "
+                        "last save or durable copy will report it as failed or unknown", min(timeout, 10.0))
 
 
 @dataclass(frozen=True, slots=True)
