@@ -39,6 +39,10 @@ def share_store_address(group: Any, counter: CollectiveCounter, timeout_s: float
     return store, addr
 
 
+#: The key of rank 0's store that counts the other ranks whose checkpointer has closed.
+_CLOSED_KEY = "closed"
+
+
 def report_closed(addr: tuple[str, int, str], connect_timeout_s: float = 2.0) -> None:
     """A rank other than group rank 0, last in its checkpointer's ``close()`` (its worker has
     stopped: nothing of this rank reads the store any more): count itself closed on rank 0's
@@ -70,9 +74,6 @@ def linger_until_closed(store: Any, addr: tuple[str, int, str], others: int, tim
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.01)
-
-
-_CLOSED_KEY = "closed"
 
 
 def _listen(host: str) -> socket.socket:
