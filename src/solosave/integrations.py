@@ -47,7 +47,8 @@ from typing import Any
 from solosave._src.core.errors import OptionError, SolosaveError
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.load.load import load
-from solosave._src.load.tiers import choose_restore_point
+from solosave._src.load.peers import repair_from_peers, repairable_step
+from solosave._src.load.tiers import choose_restore_point, complete_here
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions, add_option_flags, option, options_from_args
@@ -187,19 +188,45 @@ def find_latest_checkpoint(save_dir: str | os.PathLike | None,
 
 
 def find_restore_point(save_dir: str | os.PathLike | None, durable_root: str | os.PathLike | None = None, *,
-                       process_group: Any = None, storage_options: StorageOptions = None) -> tuple[int, str] | None:
+                       process_group: Any = None, storage_options: StorageOptions = None,
+                       ranks_per_host: int = 0) -> tuple[int, str] | None:
     """The checkpoint to resume from, as ``(step, path)``, or ``None``: the newest step published
     on either tier, from the fast tier (``save_dir``) when every rank finds it complete there,
     else from ``durable_root``; every rank gets the same answer. Every rank of
     ``process_group`` calls it (one 8-byte ``all_reduce`` per step examined, normally one;
     :mod:`solosave._src.load.tiers`). Without ``durable_root``: :func:`find_latest_checkpoint`
-    (no collective)."""
+    (no collective).
+
+    ``ranks_per_host`` (checkpoints saved with ``peer_copy``; the checkpointer's
+    ``peer_ranks_per_host``): first, the hosts whose fast tier misses the newest step that
+    every host holds or can get back get its files from their neighbour hosts
+    (:mod:`solosave._src.load.peers`: one ``all_gather_object`` of the steps each rank holds,
+    then the transfers, only when a host misses it)."""
     if not durable_root:
         return find_latest_checkpoint(save_dir, storage_options)
+    if ranks_per_host and save_dir:
+        _restore_fast_tier_from_peers(save_dir, ranks_per_host, process_group, storage_options)
     fast = dict(published_checkpoints(save_dir, storage_options)) if save_dir else {}
     durable = dict(published_checkpoints(durable_root, storage_options))
     candidates = [(step, fast.get(step), durable.get(step)) for step in set(fast) | set(durable)]
     return choose_restore_point(candidates, process_group, storage_options)
+
+
+def _restore_fast_tier_from_peers(save_dir: str | os.PathLike, ranks_per_host: int, process_group: Any,
+                                  storage_options: StorageOptions) -> None:
+    """Peer copies: bring the newest step that can be restored on the fast tier back to the
+    hosts that miss it (every rank; see :func:`find_restore_point`)."""
+    storage = storage_for(save_dir, storage_options)
+    here = {step: storage.basename(path) for step, path in published_checkpoints(save_dir, storage_options)
+            if complete_here(path, storage_options)}
+    found = repairable_step(here, ranks_per_host, process_group)
+    if found is None:
+        return
+    step, name, holders = found
+    error = repair_from_peers(storage.join(os.fspath(save_dir), name), holders, ranks_per_host, process_group,
+                              storage_options)
+    if error is not None:
+        log.warning("solosave: restoring step %d on this host's fast tier from its peers failed: %s", step, error)
 
 
 def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, keep_every: int | None = None,
@@ -334,6 +361,11 @@ class CheckpointManager:
         self._copies: list[tuple[int, str, Any]] = []  # (step, fast path, DurableCopy)
         self._copying: frozenset[str] = frozenset()
         self._durable_step: int | None = None
+        #: Peer copies: the ranks per host (0: none). Each host's fast tier is its own then, so the
+        #: first rank of every host prunes its host's, not the coordinator alone.
+        self._ranks_per_host: int = getattr(checkpointer, "peer_ranks_per_host", 0)
+        rank = getattr(checkpointer, "rank", 0)
+        self._prunes_fast_tier = self.is_coordinator or bool(self._ranks_per_host and rank % self._ranks_per_host == 0)
         fast_every = None if self.durable_root else keep_every  # archival copies live on the durable tier
         self._pruner = Pruner(lambda: prunable_checkpoints(self.save_dir, self.keep_last, fast_every,
                                                            below=self._published_step,
@@ -354,7 +386,7 @@ class CheckpointManager:
         to restore; ``state_dict`` untouched). ``load_options``: keywords of ``solosave.load``."""
         group = getattr(self.checkpointer, "process_group", None)
         point = find_restore_point(self.save_dir, self.durable_root, process_group=group,
-                                   storage_options=self.storage_options)
+                                   storage_options=self.storage_options, ranks_per_host=self._ranks_per_host)
         if point is None:
             return None
         load(state_dict, point[1], process_group=group, storage_options=self.storage_options, **load_options)
@@ -453,7 +485,7 @@ class CheckpointManager:
                 self._durable_step = step
                 if self._durable_pruner is not None:
                     self._durable_pruner.request()
-            if self.is_coordinator and self.keep_last is not None:
+            if self._prunes_fast_tier and self.keep_last is not None:
                 self._pruner.request()  # the fast copy it read may go now
             if self.on_durable is not None:
                 self.on_durable(ended)

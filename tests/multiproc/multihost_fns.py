@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -25,9 +26,56 @@ def state(rank: int, step: int, big: bool = False) -> dict:
     return sd
 
 
+def peer_copies(root: str, phase: str) -> dict:
+    """Peer copies: ``{root}/fast`` is this host's own directory (a bind mount per host). Phase
+    ``peer-save`` saves steps 1-3 with two tiers and peer copies (keep_last 2); ``peer-restore``
+    restores the newest step (the test has wiped one host's fast tier and the durable tier)."""
+    from solosave.integrations import CheckpointManager
+
+    rank = dist.get_rank()
+    fast, durable = f"{root}/fast", f"{root}/durable"
+    from tests.multiproc.tier_fns import PeerWriter
+
+    # the peer copy of step 2 fails on rank 2, which cannot write rank 0's file
+    writer = PeerWriter(fast, "iter_0000002", 0, fail=rank == 2)
+    ck = solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, peer_copy=True,
+                                    timeout=60, writer=writer)
+    manager = CheckpointManager(fast, ck, keep_last=2)
+    out: dict = {"rank": rank, "ranks_per_host": ck.peer_ranks_per_host}
+    if phase == "peer-save":
+        for step in (1, 2, 3):
+            manager.save(step, state(rank, step))
+        manager.finish(120)
+        out["copies"] = [[d.step, d.result.ok, d.result.peer_ok, d.result.peer_error,
+                          sorted(c.kind for c in d.result.collectives)] for d in manager.durable_done]
+        return out
+    got = {"model": {"w": torch.zeros(64, 32)}, "step": 0, f"rank{rank}": torch.zeros(4)}
+    point = manager.restore(got)
+    want = state(rank, point[0]) if point else {}
+    out["point"] = point
+    out["exact"] = bool(point) and torch.equal(got["model"]["w"], want["model"]["w"]) and torch.equal(
+        got[f"rank{rank}"], want[f"rank{rank}"]) and got["step"] == want["step"]
+    manager.finish(60)
+    # the same through solosave.load: host 0 loses the step again (its first rank removes it)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(f"{fast}/iter_0000003")
+    dist.barrier()
+    again = {"model": {"w": torch.zeros(64, 32)}, "step": 0, f"rank{rank}": torch.zeros(4)}
+    out["load_path"] = solosave.load(again, f"{fast}/iter_0000003", durable_root=durable, ranks_per_host=2)
+    out["load_exact"] = torch.equal(again["model"]["w"], want["model"]["w"]) and torch.equal(
+        again[f"rank{rank}"], want[f"rank{rank}"])
+    return out
+
+
 def main() -> None:
     root, phase = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
+    if phase.startswith("peer-"):
+        out = peer_copies(root, phase)
+        print(json.dumps(out), flush=True)
+        dist.destroy_process_group()
+        return
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {"rank": rank}
     ck = solosave.AsyncCheckpointer(prepared_metadata=f"{root}/prep.md", create_prepared_metadata=True,

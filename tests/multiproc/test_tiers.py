@@ -77,3 +77,14 @@ def test_every_rank_restores_from_the_same_tier_bit_exactly(tmp_path):
                                   "exact": True}
         assert o["manager"] == (2, f"{durable}/iter_0000002")
     assert out[0] == out[1]
+
+
+def test_peer_copy_on_a_shared_fast_tier_sends_no_file(tmp_path):
+    out = run_ranks(tier_fns.peer_copy_shared_tier, 4, str(tmp_path), TIMEOUT, timeout=220)
+    for o in out:
+        assert o["ranks_per_host"] == 2
+        for s in (0, 1):
+            assert o[s]["published"] and o[s]["ok"] and o[s]["peer_ok"] and o[s]["peer_error"] is None, o[s]
+            assert o[s]["calls"] == ["all_reduce", "recv", "send"], o[s]
+            assert o[s]["sent"] < 1000, o[s]  # the flag, the header and the trailer: no file's bytes
+        assert o["loads"] and o["equal"] and o["leftovers"] == []

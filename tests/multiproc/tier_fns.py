@@ -227,3 +227,40 @@ def restore_tiers(rank: int, ws: int, root: str, timeout: float) -> dict:
     finally:
         manager2.finish()
     return out
+
+
+class PeerWriter(solosave.FileWriter):
+    """Writes normally, except that opening a data file of rank ``src`` in a fast directory named
+    ``target`` fails (``fail``): on the rank that receives ``src``'s peer copy, that is its write."""
+
+    def __init__(self, fast: str, target: str, src: int, fail: bool) -> None:
+        super().__init__()
+        self.fast, self.target, self.src, self.fail = fast, target, src, fail
+
+    def open(self, path: str):  # noqa: ANN201 - a DataFile
+        if (self.fail and path.startswith(self.fast) and os.path.basename(os.path.dirname(path)) == self.target
+                and os.path.basename(path).startswith(f"__{self.src}_")):
+            raise OSError(28, "injected: no space left on the peer's fast tier")
+        return super().open(path)
+
+
+def peer_copy_shared_tier(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """4 ranks as 2 hosts of 2 (ranks_per_host=2) on one fast directory, thread mode: the peer
+    stage finds the files where they are (a shared tier) and sends none; nothing is rewritten."""
+    _fresh(root)
+    fast, durable = f"{root}/fast", f"{root}/durable"
+    out: dict = {}
+    with solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, peer_copy=True,
+                                    ranks_per_host=2, timeout=timeout, persistent_worker=False) as ck:
+        out["ranks_per_host"] = ck.peer_ranks_per_host
+        for step in range(2):
+            r = ck.save(state(rank, step), f"{fast}/iter_{step}").wait(timeout)
+            d = r.durable.wait(timeout)
+            sent = sum(c.payload_bytes for c in d.collectives if c.kind == "send")
+            out[step] = {"published": r.published, "ok": d.ok, "peer_ok": d.peer_ok, "peer_error": d.peer_error,
+                         "calls": sorted({c.kind for c in d.collectives}), "sent": sent}
+    dist.barrier()
+    out["loads"] = _loads(state(rank, 1), f"{fast}/iter_1") and _loads(state(rank, 1), f"{durable}/iter_1")
+    out["equal"] = _copies_equal(f"{fast}/iter_1", f"{durable}/iter_1")
+    out["leftovers"] = sorted(n for n in os.listdir(f"{fast}/iter_1") if not n.startswith(("__", ".")))
+    return out

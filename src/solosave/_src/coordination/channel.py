@@ -113,6 +113,26 @@ class Channel:
         """One ``all_reduce(BAND)`` of one int64 element (8 bytes): the reuse status word."""
         raise NotImplementedError
 
+    # -- point to point (peer copies of two tiers: file bytes between two hosts) ---------------
+    def exchange(self, dst: int | None, payload: bytes | None, src: int | None, nbytes: int) -> bytes | None:
+        """Send ``payload`` to group rank ``dst`` while receiving ``nbytes`` bytes from group rank
+        ``src`` (either side may be absent: ``payload`` None, ``nbytes`` 0). Not collective: only
+        the two ranks of a message take part, and each send is matched by the other rank's
+        receive, in order. Counted as ``send`` and ``recv`` with their bytes."""
+        raise NotImplementedError
+
+    # -- shared values (a store key, not a collective: posted once, read by some ranks) ----------
+    def post_value(self, key: str, data: bytes) -> None:
+        """Coordinator: make ``data`` readable under ``key`` until :meth:`drop_value`."""
+        raise NotImplementedError
+
+    def read_value(self, key: str, timeout: float) -> bytes:
+        """Wait (bounded) for ``key`` and return its value; :class:`ChannelError` if none in time."""
+        raise NotImplementedError
+
+    def drop_value(self, key: str) -> None:
+        raise NotImplementedError
+
     # -- publication receipts (reuse saves; not collectives: one store key per save) -----------
     def post_receipt(self, seq: int, error: str | None, previous: int | None = None) -> None:
         """Coordinator: save ``seq`` was published (``error`` None) or its publication failed.
@@ -209,6 +229,46 @@ class DistChannel(Channel):
     def all_true(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (:meth:`all_and` of one bit)."""
         return self.all_and(int(bool(flag))) == 1
+
+    def exchange(self, dst: int | None, payload: bytes | None, src: int | None, nbytes: int) -> bytes | None:
+        t0 = time.perf_counter()
+        works = []
+        if payload:
+            out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            works.append(self._run("send", lambda: dist.isend(out, self._global(dst), group=self.group)))
+        inbox = None
+        if nbytes > 0:
+            inbox = torch.empty(nbytes, dtype=torch.uint8)
+            works.append(self._run("recv", lambda: dist.irecv(inbox, self._global(src), group=self.group)))
+        limit = datetime.timedelta(seconds=self.timeout)
+        for work in works:
+            if not self._run("wait", lambda w=work: w.wait(limit)):
+                raise ChannelError(f"a peer transfer did not complete within {self.timeout:g} s")
+        seconds = time.perf_counter() - t0
+        if payload:
+            self.counter.record(CollectiveCall("send", len(payload), threading.current_thread().name, seconds))
+        if inbox is None:
+            return None
+        self.counter.record(CollectiveCall("recv", nbytes, threading.current_thread().name, seconds))
+        return inbox.numpy().tobytes()
+
+    def _global(self, rank: int | None) -> int:
+        if rank is None:
+            raise ValueError("internal: a peer transfer without a peer")
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def post_value(self, key: str, data: bytes) -> None:
+        store = self._need_store()
+        self._run("store.set", lambda: store.set(f"value/{key}", data))
+
+    def read_value(self, key: str, timeout: float) -> bytes:
+        store = self._need_store()
+        self._run("store.wait", lambda: store.wait([f"value/{key}"], datetime.timedelta(seconds=timeout)))
+        return self._run("store.get", lambda: store.get(f"value/{key}"))
+
+    def drop_value(self, key: str) -> None:
+        store = self._need_store()
+        self._run("store.delete_key", lambda: store.delete_key(f"value/{key}"))
 
     def post_receipt(self, seq: int, error: str | None, previous: int | None = None) -> None:
         store = self._need_store()

@@ -200,6 +200,8 @@ class EngineSettings:
     storage_options: dict | None = None
     #: Two tiers: the root that every published save is copied under (``CheckpointerOptions``).
     durable_root: str | None = None
+    #: Peer copies: the ranks per host (0: no peer copy; ``CheckpointerOptions.peer_copy``).
+    peer_ranks_per_host: int = 0
 
 
 @dataclass(frozen=True)
@@ -332,6 +334,10 @@ class DurableOutcome:
     #: ``time.time()`` when the copy started (after the fast publication) and when it ended.
     started_at: float = 0.0
     finished_at: float = 0.0
+    #: Peer copies (``peer_copy``): whether every rank's files reached its peer host's fast tier
+    #: (``None``: no peer copy), and per failing rank what went wrong.
+    peer_ok: bool | None = None
+    peer_failures: dict[int, str] = field(default_factory=dict)
 
 
 class WorkerMessage(NamedTuple):

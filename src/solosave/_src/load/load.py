@@ -47,6 +47,7 @@ from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_FILE, check_ranges, local_file_problem
 from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.index.reader import LoadIndex, wanted_of
+from solosave._src.load.peers import restore_from_peers
 from solosave._src.load.range_read import read_items_by_ranges
 from solosave._src.load.read_path import ReadStats, damaged_record, read_items
 from solosave._src.load.tiers import choose_copy
@@ -272,7 +273,7 @@ def _share_metadata(path: str | os.PathLike, process_group: Any,
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: Any = None,
          planner: Any = None, read_metadata_once: bool = True, safe_globals: Sequence[Any] = (),
          storage_options: Mapping[str, Any] | None = None, use_index: bool = True,
-         durable_root: str | os.PathLike | None = None) -> str:
+         durable_root: str | os.PathLike | None = None, ranks_per_host: int = 0) -> str:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective over
     ``process_group`` when torch.distributed is initialised; one process otherwise).
 
@@ -310,8 +311,17 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     copy and ``<durable_root>/<name>`` the durable one; the fast copy is loaded when every rank
     finds it complete, else the durable one, on every rank (:mod:`solosave._src.load.tiers`: one
     more 8-byte ``all_reduce``). Returns the path loaded from.
+
+    ``ranks_per_host`` (a checkpoint saved with ``peer_copy``, fast tiers local to each host):
+    first, a host whose fast tier misses ``path`` gets its files back from its neighbour hosts
+    (:mod:`solosave._src.load.peers`: one ``all_gather_object`` of one flag per rank; the
+    transfers only when a host misses it).
     """
     distributed = dist.is_available() and dist.is_initialized()
+    if ranks_per_host and distributed:
+        error = restore_from_peers(path, ranks_per_host, process_group, storage_options)
+        if error is not None:
+            log.warning("solosave: restoring %s on this host's fast tier from its peers failed: %s", path, error)
     if durable_root is not None:
         path = choose_copy(path, durable_root, process_group, storage_options)
     _load(state_dict, path, process_group, planner, read_metadata_once, safe_globals, storage_options, use_index,

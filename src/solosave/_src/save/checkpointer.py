@@ -63,7 +63,7 @@ from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_meta
 from solosave._src.save.durable import durable_directory
 from solosave._src.save.engine import Engine
 from solosave._src.save.handle import SaveHandle, complete, wait_published
-from solosave._src.save.options import CheckpointerOptions
+from solosave._src.save.options import CheckpointerOptions, peer_ranks_per_host
 from solosave._src.save.result import DurableCopy, DurableResult, SaveResult, Started, durable_result_of
 from solosave._src.save.session import SaveSession, normalize_directory
 from solosave._src.save.staging import Staging
@@ -163,13 +163,15 @@ class AsyncCheckpointer:
         self._submit_error: BaseException | None = None
         self._known_buckets: set[str] = set()  # URL destinations whose bucket was seen to exist
         self._res = _Resources()
+        self._ranks_per_host = 0
         self._res.session = SaveSession(self.rank, self.world_size, self.options, self._agreed_prepared())
         self._finalizer = weakref.finalize(self, self._res.release, 5.0)
         self._start_background(writer)
 
     def _start_background(self, writer: FileWriter | None) -> None:
         o = self.options
-        settings = EngineSettings(o.workers, o.on_layout_drift, o.prepared_path, o.storage_options, o.durable_root)
+        settings = EngineSettings(o.workers, o.on_layout_drift, o.prepared_path, o.storage_options, o.durable_root,
+                                  self._ranks_per_host)
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
         self._res.address, self._res.others = (host, port, prefix), self.world_size - 1
         if o.persistent_worker:
@@ -191,6 +193,11 @@ class AsyncCheckpointer:
                                   store=dist.PrefixStore(prefix + "durable-receipts/", client))
         self._res.transport = ThreadTransport(Engine(channel, settings, writer, durable))
 
+    @property
+    def peer_ranks_per_host(self) -> int:
+        """Peer copies (``peer_copy``): the ranks per host the saves use (0: no peer copy)."""
+        return self._ranks_per_host
+
     # -- prepared metadata ----------------------------------------------------------------
     def _agreed_prepared(self) -> PreparedMetadata | None:
         """:meth:`_initial_prepared` on every rank, then one 8-byte ``all_reduce`` (counted):
@@ -200,15 +207,22 @@ class AsyncCheckpointer:
         word says whether every rank, or none, has a ``durable_root`` (the workers of some ranks
         only would wait for the others' durable channel until the timeout)."""
         try:
+            self._ranks_per_host = peer_ranks_per_host(self.options, self.world_size)
             prepared, error = self._initial_prepared(), None
         except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
             prepared, error = None, e
         ch = DistChannel(self.process_group, self._setup_counter)
         tiers = 0b010 if self.options.durable_root else 0b100
-        agreed = ch.all_and(int(error is None) | tiers)
+        # bits 8-23 the peer copies' ranks per host, bits 24-39 its complement: equal on every
+        # rank exactly when the AND gives back the value and its complement
+        hosts = self._ranks_per_host & 0xFFFF
+        agreed = ch.all_and(int(error is None) | tiers | hosts << 8 | (~hosts & 0xFFFF) << 24)
         if error is None and not agreed & 0b110:
             raise ValueError("durable_root is set on some ranks only: pass the same durable_root (or none) "
                              "to the AsyncCheckpointer of every rank")
+        if error is None and (agreed >> 8) & 0xFFFF != ~(agreed >> 24) & 0xFFFF:
+            raise ValueError("peer_copy or ranks_per_host differs between ranks: pass the same to the "
+                             "AsyncCheckpointer of every rank (LOCAL_WORLD_SIZE must be the same on every host)")
         if agreed & 1:
             return prepared
         reports = ch.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")

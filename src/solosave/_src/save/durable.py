@@ -50,6 +50,7 @@ from solosave._src.core.errors import ChannelError, IndexUnusable, OutOfStep, de
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE, checksum_path
 from solosave._src.formats.metadata_template import replace_checkpoint_id
 from solosave._src.index.writer import shifted
+from solosave._src.save.peer import copy_to_peer
 from solosave._src.save.writer import FileWriter
 from solosave._src.storage.copy import stream_into
 from solosave._src.storage.registry import backend_for, storage_for
@@ -88,8 +89,10 @@ class Copier:
     the transport before the first save; its errors are ignored: the trainer may be gone)."""
 
     def __init__(self, channel: Channel, writer: FileWriter, storage_options: Mapping[str, Any] | None = None,
-                 files_at_once: int = 1) -> None:
+                 files_at_once: int = 1, ranks_per_host: int = 0) -> None:
         self.channel = channel
+        #: Peer copies (``peer_copy``): the ranks per host; 0: none (see ``save/peer.py``).
+        self.ranks_per_host = ranks_per_host
         self.writer = writer
         self.storage_options = storage_options
         self.files_at_once = max(files_at_once, 1)
@@ -174,6 +177,7 @@ class Copier:
         ch = self.channel
         mark = ch.counter.mark()
         copied, failures = 0, {}
+        peer_ok, peer_failures = self._peer_stage(task)
         if self.broken is not None:
             failures = {ch.rank: self.broken}
         else:
@@ -191,7 +195,24 @@ class Copier:
                                "close() this checkpointer and create a new AsyncCheckpointer on every rank")
                 failures = {ch.rank: self.broken}
         return DurableOutcome(task.seq, not failures, task.target, failures, copied,
-                              tuple(ch.counter.since(mark)), task.queued_at, time.time())
+                              tuple(ch.counter.since(mark)), task.queued_at, time.time(), peer_ok, peer_failures)
+
+    def _peer_stage(self, task: CopyTask) -> tuple[bool | None, dict[int, str]]:
+        """The peer copy of ``task`` (``save/peer.py``), before its durable copy: ``(ok or None
+        when there is none, failures)``. A broken channel breaks the copier."""
+        if not self.ranks_per_host:
+            return None, {}
+        if self.broken is not None:
+            return False, {self.channel.rank: self.broken}
+        try:
+            failures, _ = copy_to_peer(self.channel, task.seq, task.source, task.files, self.writer,
+                                       self.ranks_per_host, self.storage_options, stop=lambda: self._closing)
+        except (ChannelError, OutOfStep, InterruptedError) as e:
+            self.broken = (f"the durable channel failed during the peer copy of {task.source} ({e}): another "
+                           "rank's worker died or did not answer in time; later copies fail at once: "
+                           "close() this checkpointer and create a new AsyncCheckpointer on every rank")
+            return False, {self.channel.rank: self.broken}
+        return not failures, failures
 
     def _agree(self, task: CopyTask, error: str | None) -> tuple[dict[int, str], int]:
         """Steps 2-3: the status word, then publication (ok) or the errors (failed)."""

@@ -83,7 +83,8 @@ class Engine:
         #: Why the channel cannot be used any more, and the kind of that failure.
         self.broken: tuple[ErrorKind, str] | None = None
         #: Two tiers: this rank's durable copies (``None`` without a durable root).
-        self.copier = (Copier(durable, writer, settings.storage_options, settings.workers)
+        self.copier = (Copier(durable, writer, settings.storage_options, settings.workers,
+                              settings.peer_ranks_per_host)
                        if durable is not None and settings.durable_root else None)
 
     def close(self, timeout: float = 5.0) -> None:

@@ -107,10 +107,20 @@ class CheckpointerOptions:
         "copies its files to DURABLE/NAME in the background and the coordinator publishes "
         "DURABLE/NAME/.metadata once every rank's copy succeeded (a path or a URL; "
         "storage_options apply to URLs); the training loop never waits for the copy"))
+    peer_copy: bool = option(False, flag="--ckpt-peer-copy", help=(
+        "two tiers with a fast tier local to each host (the same path on every host): before its "
+        "durable copy, each rank's worker also sends its files to the same local rank on the next "
+        "host, which keeps them beside its own, and every host gets the .metadata; a host whose "
+        "fast tier is lost is restored from its peer (CheckpointManager.restore, find_restore_point "
+        "with ranks_per_host), without the durable tier. Needs durable_root"))
+    ranks_per_host: int | None = option(None, flag="--ckpt-ranks-per-host", metavar="N", help=(
+        "peer copies: ranks per host, hosts being consecutive blocks of ranks (default: "
+        "$LOCAL_WORLD_SIZE, which torchrun sets)"))
 
     def __post_init__(self) -> None:
         _check_storage_options(self)
         _check_durable_root(self)
+        _check_peer_copy(self)
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
             raise OptionError(f"{{workers}} must be >= 1 (an int: files per rank), got {self.workers!r}")
         if self.on_layout_drift not in DRIFT_POLICIES:
@@ -168,6 +178,34 @@ def _check_durable_root(options: CheckpointerOptions) -> None:
     if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
         raise OptionError(f"{{durable_root}} must be a directory path or a URL (s3://bucket/run), got {root!r}")
     object.__setattr__(options, "durable_root", os.fspath(root))
+
+
+def _check_peer_copy(options: CheckpointerOptions) -> None:
+    """``peer_copy`` rides on the durable copies' channel; ``ranks_per_host`` is a count."""
+    n = options.ranks_per_host
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise OptionError(f"{{ranks_per_host}} must be a whole number >= 1, got {n!r}")
+    if options.peer_copy and not options.durable_root:
+        raise OptionError("{peer_copy} needs {durable_root}: the peer copy runs in the background copy of two "
+                          "tiers, before the copy to the durable tier; set both")
+
+
+def peer_ranks_per_host(options: CheckpointerOptions, world_size: int) -> int:
+    """The ranks per host of the peer copies (0: no peer copy). Raises ``ValueError`` naming the
+    fix when they cannot be made: no host size known, or fewer than two hosts."""
+    if not options.peer_copy:
+        return 0
+    n = options.ranks_per_host
+    if n is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError("peer_copy needs the number of ranks per host: pass ranks_per_host "
+                             "(--ckpt-ranks-per-host) or launch with torchrun, which sets LOCAL_WORLD_SIZE")
+        n = int(env)
+    if world_size % n or world_size // n < 2:
+        raise ValueError(f"peer_copy needs at least two hosts of {n} rank(s) each (ranks_per_host={n}), but the "
+                         f"world has {world_size} rank(s): drop peer_copy on a single host, or fix ranks_per_host")
+    return n
 
 
 def add_option_flags(group: Any, cls: type = CheckpointerOptions, only: tuple[str, ...] | None = None) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from solosave._src.coordination.channel import CollectiveCall
 from solosave._src.coordination.protocol import DurableOutcome, ErrorKind, JobOutcome
@@ -47,6 +47,19 @@ class DurableResult:
     #: The collectives of the durable stage (on its own channel): one 8-byte ``all_reduce``,
     #: plus an ``all_gather_object`` of the errors when a copy failed.
     collectives: tuple[CollectiveCall, ...]
+    #: Peer copies (``peer_copy``): whether every rank's files reached its peer host's fast tier
+    #: (``None``: no peer copy), and per failing rank what went wrong. Run before the durable
+    #: copy; independent of ``ok``.
+    peer_ok: bool | None = None
+    peer_failures: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def peer_error(self) -> str | None:
+        """One line naming the ranks whose peer copy failed (``None`` when ok or not made)."""
+        if self.peer_ok is not False:
+            return None
+        return f"peer copy of {self.path} failed on rank(s) {sorted(self.peer_failures)}: " + "; ".join(
+            f"rank {r}: {m}" for r, m in sorted(self.peer_failures.items()))
 
     @property
     def error(self) -> str | None:
@@ -59,7 +72,8 @@ class DurableResult:
 
 def durable_result_of(outcome: DurableOutcome) -> DurableResult:
     return DurableResult(outcome.path, outcome.ok, dict(outcome.failures), outcome.bytes_copied,
-                         max(outcome.finished_at - outcome.started_at, 0.0), tuple(outcome.collectives))
+                         max(outcome.finished_at - outcome.started_at, 0.0), tuple(outcome.collectives),
+                         outcome.peer_ok, dict(outcome.peer_failures))
 
 
 class DurableCopy:

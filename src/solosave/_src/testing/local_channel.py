@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import pickle
 import threading
 import time
@@ -24,6 +25,9 @@ class _Hub:
         self._left: dict[int, int] = {}
         self.broken: str | None = None
         self.receipts: dict[int, str | None] = {}
+        self.values: dict[str, bytes] = {}
+        #: Point-to-point messages not yet received, per (sender, receiver), in order.
+        self._mail: dict[tuple[int, int], collections.deque[bytes]] = {}
 
     def post(self, seq: int, error: str | None) -> None:
         with self._cond:
@@ -63,6 +67,21 @@ class _Hub:
             if not self._left[rnd]:
                 del self._done[rnd], self._left[rnd]
         return out
+
+    def send(self, src: int, dst: int, data: bytes) -> None:
+        with self._cond:
+            self._mail.setdefault((src, dst), collections.deque()).append(data)
+            self._cond.notify_all()
+
+    def recv(self, src: int, dst: int, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._mail.get((src, dst)):
+                left = deadline - time.monotonic()
+                if self.broken or left <= 0:
+                    raise TimeoutError(self.broken or f"rank {dst} received nothing from rank {src} in {timeout} s")
+                self._cond.wait(min(left, 0.5))
+            return self._mail[(src, dst)].popleft()
 
     def abort(self, why: str) -> None:
         with self._cond:
@@ -118,6 +137,39 @@ class LocalChannel(Channel):
 
     def wait_receipt(self, seq: int, timeout: float) -> str | None:
         return self._run("receipt", lambda: self._hub.wait_for(seq, timeout))
+
+    def exchange(self, dst: int | None, payload: bytes | None, src: int | None, nbytes: int) -> bytes | None:
+        t0 = time.perf_counter()
+        if payload:
+            self._hub.send(self.rank, dst, bytes(payload))  # type: ignore[arg-type]
+            self._record("send", len(payload), t0)
+        if nbytes <= 0:
+            return None
+        data = self._run("recv", lambda: self._hub.recv(src, self.rank, self.timeout))  # type: ignore[arg-type]
+        if len(data) != nbytes:
+            self._hub.abort(f"rank {self.rank} expected {nbytes} bytes from rank {src}, got {len(data)}")
+            raise ChannelError(f"recv expected {nbytes} bytes from rank {src}, got {len(data)}")
+        self._record("recv", nbytes, t0)
+        return data
+
+    def post_value(self, key: str, data: bytes) -> None:
+        with self._hub._cond:
+            self._hub.values[key] = bytes(data)
+            self._hub._cond.notify_all()
+
+    def read_value(self, key: str, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        with self._hub._cond:
+            while key not in self._hub.values:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ChannelError(f"no value {key!r} within {timeout} s")
+                self._hub._cond.wait(min(left, 0.5))
+            return self._hub.values[key]
+
+    def drop_value(self, key: str) -> None:
+        with self._hub._cond:
+            self._hub.values.pop(key, None)
 
 
 def local_channels(world_size: int, timeout: float = 30.0) -> list[LocalChannel]:

@@ -1,0 +1,226 @@
+"""Files from one rank to another over a channel: the peer copies of two tiers.
+
+:func:`ring_pass` is one step of a ring: every rank of the channel calls it at once, sends its
+list of files to ``send_to`` and receives the list of ``recv_from`` (either may be empty), full
+duplex, one chunk each way at a time (point-to-point messages of :meth:`Channel.exchange`; the
+only collective-free data path solosave has). Per pass, on every rank, in order:
+
+1. the header's length (8 bytes), then the header: the names and sizes of the files sent, or the
+   error that kept this rank from listing them;
+2. the files' bytes in chunks of at most :data:`CHUNK`, step ``i`` sending this rank's chunk
+   ``i`` and receiving the other's chunk ``i``. A file that cannot be read to the end is padded
+   with zeros (the receiver must get the bytes the header announced) and reported;
+3. a trailer (1 byte): whether every byte sent was the file's. A received file is committed
+   (``commit()`` of the sink: it appears whole, see :class:`RenamedInPlace` for local files)
+   only after a good trailer and a clean write; otherwise it is abandoned (``close()``).
+
+Memory: one chunk out and one in, whatever the files' sizes. Every message is bounded by the
+channel's timeout; a failed or late message raises :class:`ChannelError` (the channel is then
+broken, as after any failed collective).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from solosave._src.coordination.channel import Channel
+from solosave._src.core.errors import ChannelError, describe
+from solosave._src.storage.base import Storage
+
+#: Bytes per message.
+CHUNK = 8 << 20
+
+#: The names a peer may send: a rank's data files and their checksum sidecars, the load index
+#: and ``.metadata``; nothing with a directory part (a peer never names a path of this host).
+PEER_FILE = re.compile(r"^(__\d+_\d+\.distcp(\.crc32)?|\.solosave-index|\.metadata)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A file to send: its name at the receiver and where its bytes are (``data``, or the file
+    ``path`` of ``storage``)."""
+
+    name: str
+    storage: Storage | None = None
+    path: str | None = None
+    data: bytes | None = None
+
+
+@dataclass(slots=True)
+class PassResult:
+    """What one :func:`ring_pass` did on this rank."""
+
+    received: list[str] = field(default_factory=list)
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    #: What went wrong on this rank's side (its reading, or its writing of what it received), or
+    #: what the sending rank reported.
+    error: str | None = None
+
+
+def ring_pass(channel: Channel, send_to: int, recv_from: int, outgoing: Sequence[Outgoing],
+              open_sink: Callable[[str, int], Any], stop: Callable[[], bool] | None = None,
+              chunk: int = CHUNK) -> PassResult:
+    """Send ``outgoing`` to ``send_to`` and receive from ``recv_from`` (see the module docstring).
+    ``open_sink(name, size)`` gives the object a received file is written to (``write``,
+    ``commit``, ``close``, as a ``DataFile``); ``stop()`` is checked between chunks; ``chunk``:
+    bytes per message (the same on every rank)."""
+    res = PassResult()
+    files, error = _sizes(outgoing)
+    header = pickle.dumps({"files": files, "error": error}, protocol=pickle.HIGHEST_PROTOCOL)
+    got = channel.exchange(send_to, len(header).to_bytes(8, "little"), recv_from, 8)
+    theirs = _read_header(channel.exchange(send_to, header, recv_from, int.from_bytes(got or b"", "little")),
+                          recv_from)
+    incoming = theirs["files"]
+    if theirs["error"] is not None:
+        res.error = f"rank {recv_from} could not send its files: {theirs['error']}"
+    out_chunks = _ChunkReader(outgoing, files, chunk)
+    in_plan = [(i, min(chunk, size - off)) for i, (_, size) in enumerate(incoming) for off in range(0, size, chunk)]
+    sinks, write_error = _open_sinks(incoming, open_sink)
+    steps = max(len(in_plan), sum(-(-size // chunk) for _, size in files))
+    for step in range(steps):
+        if stop is not None and stop():
+            raise InterruptedError("the peer copy was stopped (the checkpointer is closing)")
+        out = next(out_chunks, None)
+        want = in_plan[step] if step < len(in_plan) else None
+        data = channel.exchange(send_to if out else None, out, recv_from if want else None, want[1] if want else 0)
+        res.sent_bytes += len(out or b"")
+        if want is not None and data is not None:
+            res.received_bytes += len(data)
+            if write_error is None:
+                try:
+                    sinks[want[0]].write(data)
+                except Exception as e:  # noqa: BLE001 - reported; the pass goes on to stay in step
+                    write_error = f"writing {incoming[want[0]][0]} failed: {describe(e)}"
+    read_error = out_chunks.error or error
+    trailer = channel.exchange(send_to, b"+" if read_error is None else b"-", recv_from, 1)
+    if trailer != b"+" and res.error is None:
+        res.error = f"rank {recv_from} could not read all of the files it sent"
+    res.error = res.error or write_error or read_error
+    _finish(sinks, incoming, res, ok=trailer == b"+" and write_error is None and theirs["error"] is None)
+    return res
+
+
+class RenamedInPlace:
+    """A sink for a local file: written under a temporary name beside ``path`` and renamed into
+    place by :meth:`commit` (a local data file is otherwise written in place, and an abandoned
+    one would be left half-written); :meth:`close` abandons it and removes the temporary file.
+    ``open_data(path)`` opens the temporary file (a ``DataFile``: ``write``, ``commit``, ``close``)."""
+
+    def __init__(self, path: str, open_data: Callable[[str], Any]) -> None:
+        self.path, self._tmp = path, f"{path}.incoming"
+        self._out = open_data(self._tmp)
+
+    def write(self, data: bytes) -> int:
+        return self._out.write(data)
+
+    def commit(self) -> None:
+        self._out.commit()
+        os.replace(self._tmp, self.path)
+
+    def close(self) -> None:
+        try:
+            self._out.close()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
+
+
+def _sizes(outgoing: Sequence[Outgoing]) -> tuple[list[tuple[str, int]], str | None]:
+    try:
+        return [(o.name, len(o.data) if o.data is not None else o.storage.size(o.path))  # type: ignore[union-attr,arg-type]
+                for o in outgoing], None
+    except Exception as e:  # noqa: BLE001 - sent as the header's error: the receiver knows at once
+        return [], describe(e)
+
+
+def _read_header(data: bytes | None, sender: int) -> dict:
+    """The sender's header, checked: a peer that names anything but checkpoint files of this
+    directory (a path, a negative size) breaks the channel, as a failed message does."""
+    head = pickle.loads(data or b"")  # noqa: S301 - our own peer's header, over the job's private group
+    for name, size in head["files"]:
+        if not isinstance(name, str) or not PEER_FILE.match(name) or not isinstance(size, int) or size < 0:
+            raise ChannelError(f"rank {sender} sent a file entry that is not a checkpoint file: {name!r} ({size!r})")
+    return head
+
+
+class _ChunkReader:
+    """The outgoing files as one stream of chunks, each file padded to its announced size."""
+
+    def __init__(self, outgoing: Sequence[Outgoing], files: list[tuple[str, int]], chunk: int) -> None:
+        self.error: str | None = None
+        self.chunk = chunk
+        self._it = self._gen(outgoing, files)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._it)
+
+    def _gen(self, outgoing: Sequence[Outgoing], files: list[tuple[str, int]]) -> Iterator[bytes]:
+        for o, (_, size) in zip(outgoing, files):
+            if o.data is not None:
+                yield from (o.data[off:off + self.chunk] for off in range(0, size, self.chunk))
+                continue
+            yield from self._read(o, size)
+
+    def _read(self, o: Outgoing, size: int) -> Iterator[bytes]:
+        """The chunks of one file: each exactly the size the receiver expects (short reads are
+        filled up; a file that ends early or fails is padded with zeros and reported)."""
+        done = 0
+        try:
+            with o.storage.open_read(o.path) as f:  # type: ignore[union-attr,arg-type]
+                while done < size:
+                    want = min(self.chunk, size - done)
+                    parts, got = [], 0
+                    while got < want:
+                        data = f.read(want - got)
+                        if not data:
+                            yield b"".join(parts) + bytes(want - got)
+                            done += want
+                            raise EOFError(f"{o.path} ended after {done - want + got} of {size} bytes")
+                        parts.append(bytes(data))
+                        got += len(data)
+                    done += want
+                    yield b"".join(parts)
+        except Exception as e:  # noqa: BLE001 - padded below, reported in the trailer
+            self.error = self.error or f"reading {o.path} failed: {describe(e)}"
+        while done < size:
+            n = min(self.chunk, size - done)
+            done += n
+            yield bytes(n)
+
+
+def _open_sinks(incoming: list[tuple[str, int]], open_sink: Callable[[str, int], Any]) -> tuple[list[Any], str | None]:
+    sinks: list[Any] = []
+    for name, size in incoming:
+        try:
+            sinks.append(open_sink(name, size))
+        except Exception as e:  # noqa: BLE001 - the bytes are still received (and dropped)
+            for s in sinks:
+                s.close()
+            return [], f"opening {name} failed: {describe(e)}"
+    return sinks, None
+
+
+def _finish(sinks: list[Any], incoming: list[tuple[str, int]], res: PassResult, ok: bool) -> None:
+    """Commit every received file (``ok``), else abandon them all."""
+    for sink, (name, _) in zip(sinks, incoming):
+        if not ok:
+            sink.close()
+            continue
+        try:
+            sink.commit()
+            res.received.append(name)
+        except Exception as e:  # noqa: BLE001 - reported; the others are still committed
+            res.error = res.error or f"committing {name} failed: {describe(e)}"
+
+
+__all__ = ["CHUNK", "PEER_FILE", "Outgoing", "PassResult", "RenamedInPlace", "ring_pass"]

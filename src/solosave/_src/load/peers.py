@@ -1,0 +1,155 @@
+"""Restoring a host's fast tier from its peers (checkpoints saved with ``peer_copy``).
+
+The peer copy (``save/peer.py``) leaves, on the fast tier of host ``h`` (ranks ``h*L`` to
+``h*L+L-1``), the files of its own ranks and of host ``h-1``, and the ``.metadata``. When a host
+lost them (a replaced node, a wiped ``/dev/shm``), its ranks get them back from the two hosts
+that hold them, over the network, before the restore chooses a tier; the durable tier is not
+read. Who calls what (every rank of the process group, alone otherwise: nothing to do):
+
+* :func:`repairable_step` (``integrations.find_restore_point(..., ranks_per_host=)``): every
+  rank lists the steps complete on its fast tier -> **one** ``all_gather_object`` of those
+  lists (restore time only; never in a save) -> the newest step that every host either holds
+  or can get back (both of its neighbour hosts hold it), the same on every rank.
+* :func:`repair_from_peers` for that step, when some host misses it: two
+  :func:`~solosave._src.coordination.transfer.ring_pass` es (to ``r-L``: the files of ``r-L``
+  that this host keeps as its peer copies, and, from a host's first rank, the load index and
+  ``.metadata``; to ``r+L``: this rank's own files), only hosts that hold the step sending and
+  only hosts that miss it receiving -> one 8-byte ``all_reduce`` (every file written) -> the
+  first rank of each repaired host publishes the load index and ``.metadata``, ``.metadata``
+  last -> one 8-byte ``all_reduce`` (so no rank looks before it is there).
+
+The restore then chooses a tier as without peers (``load/tiers.py``): a repair that did not
+complete leaves the step incomplete on that host, and the durable copy is read.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from solosave._src.coordination.channel import DistChannel
+from solosave._src.coordination.transfer import PEER_FILE, Outgoing, ring_pass
+from solosave._src.core.errors import describe
+from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
+from solosave._src.load.tiers import complete_here
+from solosave._src.storage.registry import storage_for
+
+
+def repairable_step(complete: Mapping[int, str], ranks_per_host: int,
+                    process_group: Any = None) -> tuple[int, str, list[bool]] | None:
+    """``complete``: this rank's ``{step: name}`` complete on its fast tier. Returns the newest
+    step every host holds or can get back from its neighbours, as ``(step, name, which ranks
+    hold it)``, or ``None``; the same on every rank (see the module docstring)."""
+    lists = DistChannel(process_group).all_gather_object(sorted(complete.items()))
+    return newest_restorable([dict(items) for items in lists], ranks_per_host)
+
+
+def newest_restorable(held: Sequence[Mapping[int, str]], ranks_per_host: int) -> tuple[int, str, list[bool]] | None:
+    """:func:`repairable_step`'s choice from every rank's ``{step: name}`` (``held[r]``, rank
+    order): the newest step that every host holds, or can get back because both of its
+    neighbour hosts hold it."""
+    L = ranks_per_host
+    hosts = len(held) // L
+    for step in sorted({s for d in held for s in d}, reverse=True):
+        host_has = [all(step in held[r] for r in range(h * L, h * L + L)) for h in range(hosts)]
+        if all(has or (host_has[(h - 1) % hosts] and host_has[(h + 1) % hosts]) for h, has in enumerate(host_has)):
+            name = next(d[step] for d in held if step in d)
+            return step, name, [step in d for d in held]
+    return None
+
+
+def repair_from_peers(directory: str, holders: Sequence[bool], ranks_per_host: int, process_group: Any = None,
+                      storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """Give every host that misses ``directory`` (``holders[r]``: rank ``r`` finds it complete)
+    its files back from its neighbour hosts (see the module docstring). Returns this rank's
+    error (``None``: nothing went wrong here); whether the step is complete everywhere is for
+    the tier choice that follows to find out."""
+    ch = DistChannel(process_group)
+    W, L, r = ch.world_size, ranks_per_host, ch.rank
+    missing = {k // L for k, ok in enumerate(holders) if not ok}
+    if not missing:
+        return None
+    st = storage_for(directory, storage_options)
+    directory = st.normalize(directory)
+    here_missing = r // L in missing
+    kept: dict[str, bytes] = {}
+    error = None
+    if here_missing:
+        st.makedirs(directory)
+
+    def sink(name: str, size: int) -> Any:
+        if not here_missing:
+            raise ValueError(f"{name} was sent to a host that holds the checkpoint")
+        if name in (METADATA_FILE, INDEX_FILE):
+            return _Kept(kept, name)
+        return st.open_data(st.join(directory, name))
+
+    nxt, prv = (r + L) % W, (r - L) % W
+    for to, frm, rank_files, with_metadata in ((prv, nxt, prv, r % L == 0), (nxt, prv, r, False)):
+        out: list[Outgoing] = []
+        if not here_missing and to // L in missing:
+            out = _files_of(st, directory, rank_files, with_metadata)
+        res = ring_pass(ch, to, frm, out, sink)
+        error = error or res.error
+    ok = ch.all_true(error is None)
+    if ok and here_missing and r % L == 0:
+        error = _publish(st, directory, kept)
+    ch.all_true(error is None)
+    return error
+
+
+class _Kept:
+    """A sink that keeps a small file (``.metadata``, the load index) to publish after the files."""
+
+    def __init__(self, kept: dict[str, bytes], name: str) -> None:
+        self._kept, self._name, self._buf = kept, name, io.BytesIO()
+
+    def write(self, data: bytes) -> int:
+        return self._buf.write(data)
+
+    def commit(self) -> None:
+        self._kept[self._name] = self._buf.getvalue()
+
+    def close(self) -> None:
+        self._buf = io.BytesIO()
+
+
+def _files_of(st: Any, directory: str, rank: int, with_metadata: bool) -> list[Outgoing]:
+    """Rank ``rank``'s data files (and sidecars) under ``directory`` on this host, and its load
+    index and ``.metadata`` if asked for."""
+    names = st.listdir(directory)
+    out = [Outgoing(n, st, st.join(directory, n)) for n in sorted(names)
+           if n.startswith(f"__{rank}_") and PEER_FILE.match(n)]
+    if with_metadata:
+        out += [Outgoing(n, st, st.join(directory, n)) for n in (INDEX_FILE, METADATA_FILE) if n in names]
+    return out
+
+
+def _publish(st: Any, directory: str, kept: Mapping[str, bytes]) -> str | None:
+    if METADATA_FILE not in kept:
+        return f"no {METADATA_FILE} reached this host for {directory}"
+    try:
+        for name in (INDEX_FILE, METADATA_FILE):
+            if name in kept:
+                st.commit(st.join(directory, name), kept[name])
+    except OSError as e:
+        return f"publishing {METADATA_FILE} in {directory} failed: {describe(e)}"
+    return None
+
+
+def restore_from_peers(path: str | os.PathLike, ranks_per_host: int, process_group: Any = None,
+                       storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """:func:`repair_from_peers` for one checkpoint directory (``solosave.load``): every rank
+    says whether it finds ``path`` complete (one ``all_gather_object``), then the hosts that
+    miss it get it back. Returns this rank's error, if any."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    holders = DistChannel(process_group).all_gather_object(complete_here(path, storage_options))
+    return repair_from_peers(os.fspath(path), holders, ranks_per_host, process_group, storage_options)
+
+
+__all__ = ["newest_restorable", "repair_from_peers", "repairable_step", "restore_from_peers"]

@@ -1,0 +1,142 @@
+"""The peer copy of two tiers (``peer_copy``): each rank's files also on another host's fast tier.
+
+With node-local fast tiers (an NVMe or ``/dev/shm`` per host, the same path on every host), a
+lost host takes its ranks' files with it. With ``peer_copy`` each rank's copier (the background
+thread of :mod:`solosave._src.save.durable`, on the durable channel) runs this stage first, for
+every save published on the fast tier, before the durable copy. Hosts are consecutive blocks of
+``L = ranks_per_host`` ranks; rank ``r`` sends to ``(r + L) % W`` (the same local rank on the
+next host) and receives from ``(r - L) % W``. Who calls what, in order (every rank):
+
+1. the coordinator posts the checkpoint's ``.metadata`` and load index (a store key, not a
+   collective); the first rank of every other host reads them and removes a ``.metadata`` of
+   an earlier save of the same name from its fast tier (never an old ``.metadata`` beside new
+   data);
+2. every rank: one :func:`~solosave._src.coordination.transfer.ring_pass` (its own files out,
+   its predecessor's in, written next to its own under the same names);
+3. every rank: **one** 8-byte ``all_reduce`` of the status word (ok / failed, this stage's
+   identity); then the coordinator drops the store key (every reader has read it);
+4. agreed ok: the first rank of every other host publishes the load index and ``.metadata``
+   on its fast tier, ``.metadata`` last (a failure there is reported on that rank only);
+   agreed failed: every rank all-gathers the errors (failure path only).
+
+A host then holds its own ranks' files and its predecessor's. With two hosts each holds the
+whole checkpoint, so either one alone restores it (:mod:`solosave._src.load.peers`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from solosave._src.coordination.channel import Channel
+from solosave._src.coordination.protocol import Status, decode_status, encode_status, save_identity
+from solosave._src.coordination.transfer import PEER_FILE, Outgoing, RenamedInPlace, ring_pass
+from solosave._src.core.errors import OutOfStep, describe
+from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
+from solosave._src.save.writer import FileWriter
+from solosave._src.storage.registry import storage_for
+
+
+def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, ...], writer: FileWriter,
+                 ranks_per_host: int, storage_options: Mapping[str, Any] | None = None,
+                 stop: Callable[[], bool] | None = None) -> tuple[dict[int, str], int]:
+    """Run the peer stage of save ``seq`` (published at ``directory``) on this rank; returns the
+    failures (per rank; the same on every rank except a host's own ``.metadata`` publication)
+    and the bytes this rank sent. Raises ``ChannelError`` / ``OutOfStep`` (the channel broke)."""
+    ch, L, W = channel, ranks_per_host, channel.world_size
+    nxt, prv = (ch.rank + L) % W, (ch.rank - L) % W
+    st = storage_for(directory, storage_options)
+    key = f"peer-metadata/{seq}"
+    publish, shared, error = _share_metadata(ch, st, directory, key, L)
+    # the receiver tells its sender whether it sees the sender's files already (a shared tier)
+    receiver_has_them = ch.exchange(prv, b"1" if shared else b"0", nxt, 1) == b"1"
+    skip = shared or receiver_has_them
+    outgoing = [] if skip else [Outgoing(rel, st, st.join(directory, rel)) for rel in files]
+
+    def sink(name: str, size: int) -> Any:
+        if not name.startswith(f"__{prv}_"):
+            raise ValueError(f"rank {prv} sent {name!r}, not one of its data files")
+        path = st.join(directory, name)
+        return RenamedInPlace(path, writer.open) if st.local_files else writer.open(path)
+
+    st.makedirs(directory)
+    res = ring_pass(ch, nxt, prv, outgoing, sink, stop)
+    error = error or res.error
+    ident = save_identity(seq, "peer:" + directory)
+    agreed = decode_status(ch.all_reduce_and(encode_status(Status.OK if error is None else Status.FAILED, ident)),
+                           ident)
+    if agreed is None:
+        raise OutOfStep(f"this rank's peer copy of save {seq} met another rank's copy of a different save")
+    if ch.is_coordinator:
+        ch.drop_value(key)
+    if agreed != Status.OK:
+        reports = ch.all_gather_object(error)
+        return {r: e for r, e in enumerate(reports) if e is not None}, res.sent_bytes
+    if publish is not None and ch.rank % L == 0:
+        try:
+            for name in (INDEX_FILE, METADATA_FILE):
+                if name in publish:
+                    st.commit(st.join(directory, name), publish[name], fsync=writer.fsync)
+        except OSError as e:
+            return {ch.rank: f"publishing {METADATA_FILE} on this host's fast tier failed: {describe(e)}"}, \
+                res.sent_bytes
+    return {}, res.sent_bytes
+
+
+def _share_metadata(ch: Channel, st: Any, directory: str, key: str,
+                    ranks_per_host: int) -> tuple[dict[str, bytes] | None, bool, str | None]:
+    """Step 1: the coordinator posts its ``.metadata`` and load index; every other rank reads
+    them and compares them with the ``.metadata`` it sees. Returns what this host publishes after
+    the stage (``None``: nothing), whether this rank sees the coordinator's ``.metadata`` from
+    another host (a fast tier shared with it: the files are there already), and the error."""
+    if ch.is_coordinator:
+        try:
+            ch.post_value(key, _published_files(st, directory))
+        except OSError as e:
+            ch.post_value(key, pickle.dumps(None))
+            return None, False, f"reading the published {METADATA_FILE} of {directory} failed: {describe(e)}"
+        return None, False, None
+    publish, same, error = _stale_metadata_removed(st, directory, ch.read_value(key, ch.timeout))
+    # ranks on the coordinator's host see its .metadata on any tier: that tells nothing
+    return publish, same and ch.rank // ranks_per_host != ch.coordinator // ranks_per_host, error
+
+
+def _published_files(st: Any, directory: str) -> bytes:
+    """The coordinator's ``.metadata`` and load index (if any), pickled for the store."""
+    out = {METADATA_FILE: st.read(st.join(directory, METADATA_FILE))}
+    try:
+        out[INDEX_FILE] = st.read(st.join(directory, INDEX_FILE))
+    except FileNotFoundError:
+        pass
+    return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _stale_metadata_removed(st: Any, directory: str,
+                            posted: bytes) -> tuple[dict[str, bytes] | None, bool, str | None]:
+    """A rank other than the coordinator: what its host publishes after the stage (``None``:
+    nothing, it sees the coordinator's ``.metadata`` already), whether it does, and the error.
+    A ``.metadata`` of an earlier save of the same name is removed first (every rank of the host
+    does it before it writes: never an old ``.metadata`` beside new data)."""
+    files = pickle.loads(posted)  # noqa: S301 - posted by this job's coordinator on its private store
+    if files is None:
+        return None, False, "the coordinator could not read the published .metadata"
+    if not all(PEER_FILE.match(n) for n in files):
+        return None, False, f"the coordinator posted unexpected files: {sorted(files)}"
+    marker = st.join(directory, METADATA_FILE)
+    try:
+        here = st.read(marker)
+    except FileNotFoundError:
+        return files, False, None
+    except OSError as e:
+        return None, False, f"reading {marker} failed: {describe(e)}"
+    if here == files[METADATA_FILE]:
+        return None, True, None
+    try:
+        st.remove(marker)
+    except OSError as e:
+        return None, False, f"removing the earlier save's {marker} failed: {describe(e)}"
+    return files, False, None
+
+
+__all__ = ["copy_to_peer"]
