@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import solosave
 from solosave._src.core.errors import SolosaveError
 from solosave._src.plan.local_plan import flatten_state_dict
+from solosave._src.save.options import options_from_args, peer_ranks_per_host
 
 from ..integrations import CheckpointManager, checkpointer_from_args, find_latest_checkpoint, find_restore_point
 from .data import batch_at, lr_at, make_corpus
@@ -104,9 +105,12 @@ def state_dict(state: RankState, step: int, position: int) -> dict[str, Any]:
 
 def _resume_point(args: argparse.Namespace) -> tuple[int, str] | None:
     """Rank 0 picks the newest published checkpoint under ``--load``; every rank gets its choice.
-    With ``--ckpt-durable-root`` every rank takes part in the choice of the tier instead."""
+    With ``--ckpt-durable-root`` every rank takes part in the choice of the tier instead (and
+    with ``--ckpt-peer-copy`` a host that lost it gets it back from its peers first)."""
     if args.durable_root:
-        return find_restore_point(args.load, args.durable_root, storage_options=args.storage_options)
+        hosts = peer_ranks_per_host(options_from_args(args), dist.get_world_size()) if args.peer_copy else 0
+        return find_restore_point(args.load, args.durable_root, storage_options=args.storage_options,
+                                  ranks_per_host=hosts)
     choice = [find_latest_checkpoint(args.load, args.storage_options) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
