@@ -321,7 +321,9 @@ class CheckpointManager:
     published there and prunes the durable tier (``durable_keep_last``, ``keep_every``) on a
     second thread; the fast tier keeps the ``keep_last`` newest (``keep_every`` does not apply
     there) and never deletes a checkpoint whose copy is still running. :meth:`finish` waits for
-    the copies too (bounded).
+    the copies too (bounded). With peer copies (the checkpointer's ``peer_copy``; fast tiers
+    local to each host) the first rank of every host prunes its own host's fast tier, and
+    :meth:`restore` first brings a lost host's files back from its peers.
     """
 
     def __init__(self, save_dir: str | os.PathLike, checkpointer: AsyncCheckpointer, *,

@@ -9,12 +9,15 @@ A :class:`Channel` is a group of ranks that runs collectives together. Two imple
 
 Both count each call by kind and payload bytes in a :class:`CollectiveCounter`, so
 ``SaveResult`` reports exactly what a save cost and tests compare it with what
-``torch.distributed`` saw. Objects are pickled here, once, so the payload counted is the payload
-sent. Status words are 1-element ``int64`` CPU tensors (gloo). A collective that fails (a peer
-died, a timeout) raises :class:`ChannelError`, and nothing else does: callers tell a broken
-channel from their own errors by that type.
+``torch.distributed`` saw. The point-to-point messages of the peer copies
+(:meth:`Channel.exchange`, counted as ``send`` / ``recv``) go through here too. Objects are
+pickled here, once, so the payload counted is the payload sent. Status words are 1-element
+``int64`` CPU tensors (gloo). A collective that fails (a peer died, a timeout) raises
+:class:`ChannelError`, and nothing else does: callers tell a broken channel from their own
+errors by that type.
 
-Which ranks call what: every method is collective over the channel's group; all ranks of the
+Which ranks call what: every method is collective over the channel's group (except
+:meth:`Channel.exchange`, between two ranks, and the store's values); all ranks of the
 group must call the same methods in the same order (the engine keeps them in lock-step by
 deciding the next step from values every rank received).
 """

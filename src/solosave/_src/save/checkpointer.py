@@ -205,7 +205,9 @@ class AsyncCheckpointer:
         damaged, or one rank cannot read the file), every rank raises now, naming that rank,
         instead of the others waiting for it in the set-up broadcast until the timeout. The same
         word says whether every rank, or none, has a ``durable_root`` (the workers of some ranks
-        only would wait for the others' durable channel until the timeout)."""
+        only would wait for the others' durable channel until the timeout), and whether every
+        rank has the same peer copies' ``ranks_per_host`` (a ring that differs between ranks
+        would pair the wrong ranks)."""
         try:
             self._ranks_per_host = peer_ranks_per_host(self.options, self.world_size)
             prepared, error = self._initial_prepared(), None

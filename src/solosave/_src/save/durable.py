@@ -22,6 +22,11 @@ fast tier, which every rank knows alike):
 4. every rank posts the task's :class:`~solosave._src.coordination.protocol.DurableOutcome`
    (``post``: to the trainer), the same ``ok`` and failures on every rank.
 
+With peer copies (``peer_copy``; fast tiers local to each host) every task first runs the peer
+stage of :mod:`solosave._src.save.peer` on the same channel (its files to the next host, one
+more 8-byte ``all_reduce``); its outcome is reported beside the durable one
+(``DurableOutcome.peer_ok``), and a failed peer stage does not stop the durable copy.
+
 A failed copy never touches the fast copy, and the next task runs normally. A failed collective
 (a peer's worker died or timed out) leaves the copier **broken**: later tasks fail at once,
 without a collective, naming the reason (the checkpointer must be recreated, as for the engine).

@@ -45,7 +45,8 @@ class DurableResult:
     #: Seconds from the fast publication to the end of the copy, on this rank.
     seconds: float
     #: The collectives of the durable stage (on its own channel): one 8-byte ``all_reduce``,
-    #: plus an ``all_gather_object`` of the errors when a copy failed.
+    #: plus an ``all_gather_object`` of the errors when a copy failed; with peer copies also
+    #: the peer stage's: one more ``all_reduce`` and its ``send`` / ``recv`` messages.
     collectives: tuple[CollectiveCall, ...]
     #: Peer copies (``peer_copy``): whether every rank's files reached its peer host's fast tier
     #: (``None``: no peer copy), and per failing rank what went wrong. Run before the durable
@@ -58,8 +59,8 @@ class DurableResult:
         """One line naming the ranks whose peer copy failed (``None`` when ok or not made)."""
         if self.peer_ok is not False:
             return None
-        return f"peer copy of {self.path} failed on rank(s) {sorted(self.peer_failures)}: " + "; ".join(
-            f"rank {r}: {m}" for r, m in sorted(self.peer_failures.items()))
+        why = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.peer_failures.items()))
+        return f"peer copy (before the copy to {self.path}) failed on rank(s) {sorted(self.peer_failures)}: {why}"
 
     @property
     def error(self) -> str | None:
