@@ -26,6 +26,31 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):  # before any test module imports torch
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_zygote(tmp_path_factory):
+    """One worker zygote per pytest process (``save/zygote.py``): the suite's checkpointers get
+    their workers as forks of it instead of fresh interpreters, each of which imported torch
+    and DCP again (about 3 s of CPU each, most of the suite's CPU time). Set before the first
+    rank starts, so that the ranks, and the `solosave train` jobs tests start, inherit it. The
+    fresh-interpreter start stays covered: ``run_ranks(..., fresh=True)``, the multi-host
+    tests, ``test_zygote.py``, and `make train` and the wheel smoke test in CI.
+    ``SOLOSAVE_TEST_ZYGOTE=0`` turns it off."""
+    from solosave._src.save.zygote import ZYGOTE_ENV, start_zygote
+
+    if os.environ.get("SOLOSAVE_TEST_ZYGOTE", "1") == "0":
+        yield None
+        return
+    address = str(tmp_path_factory.mktemp("zygote") / "z.sock")
+    proc = start_zygote(address)
+    os.environ[ZYGOTE_ENV] = address
+    try:
+        yield address
+    finally:
+        os.environ.pop(ZYGOTE_ENV, None)
+        proc.kill()
+        proc.wait(10)
+
 _ITEM_ROWS = pytest.StashKey[list]()
 _PROPERTY = "solosave_reliability_rows"  # the user_properties entry that carries a test's rows
 

@@ -94,8 +94,11 @@ def _context() -> Any:
 def run_ranks_tolerant(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
                        env: dict | None = None, fresh: bool = False) -> dict[int, tuple[str, Any]]:
     """Run ``fn`` on ``world_size`` ranks; a rank may die or fail (see the module docstring).
-    ``fresh``: each rank a fresh interpreter (``spawn``), e.g. for a ``sitecustomize`` to apply."""
+    ``fresh``: each rank a fresh interpreter (``spawn``), e.g. for a ``sitecustomize`` to apply,
+    and so is its worker (the suite's worker zygote is not used: tests/conftest.py)."""
     ctx = mp.get_context("spawn") if fresh else _context()
+    if fresh:  # fresh interpreters all the way: the workers too (not forks of the suite's zygote)
+        env = {**(env or {}), "SOLOSAVE_WORKER_ZYGOTE": ""}
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, out, env or {}))

@@ -63,6 +63,7 @@ def _job(hosts, root, phase, per_host=2, local_dirs=False):
             env = dict(os.environ, RANK=str(h * per_host + local), WORLD_SIZE=str(world),
                        LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_host), MASTER_ADDR=hosts[0][2],
                        MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1",
+                       SOLOSAVE_WORKER_ZYGOTE="",  # workers in the host's namespaces, not the zygote's
                        PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
             cmd = [sys.executable, os.path.join(HERE, "multihost_fns.py"), str(root), phase]
             if local_dirs:

@@ -55,33 +55,49 @@ from solosave._src.coordination.protocol import (
 )
 from solosave._src.core.errors import WorkerDiedError
 from solosave._src.save.engine import Engine
+from solosave._src.save.zygote import ZYGOTE_ENV, ForkedWorker, fork_worker
 
 log = logging.getLogger("solosave")
 _POLL = 0.05
 _PR_SET_PDEATHSIG = 1
 
 
-def tie_to_trainer(trainer_pid: int, interval: float = 0.2) -> None:
-    """End this process when the trainer ``trainer_pid`` is gone (see the module docstring)."""
+def tie_to_trainer(trainer_pid: int, interval: float = 0.2, forked: bool = False) -> None:
+    """End this process when the trainer ``trainer_pid`` is gone (see the module docstring).
+    ``forked``: a zygote's child (``save/zygote.py``), whose parent is the zygote: it ends with
+    the zygote (whose connection told the trainer it is gone) and watches the trainer's pid."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the watchdog alone
         pass
-    if os.getppid() != trainer_pid:  # the trainer died before the line above took effect
+
+    def trainer_alive() -> bool:
+        if not forked:
+            return os.getppid() == trainer_pid
+        try:
+            os.kill(trainer_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    if not trainer_alive():  # the trainer died before the lines above took effect
         os._exit(3)
 
     def watch() -> None:
-        while os.getppid() == trainer_pid:
+        while trainer_alive():
             time.sleep(interval)
         os._exit(3)
 
     threading.Thread(target=watch, name="solosave-trainer-watch", daemon=True).start()
 
 
-def worker_main(conn: Connection, trainer_pid: int) -> None:
+def worker_main(conn: Connection, trainer_pid: int, forked: bool = False) -> None:
     """Body of the worker process: read its set-up, form the channel, then run jobs until told
-    to stop (``None``) or until the trainer is gone (end of file on the pipe)."""
-    tie_to_trainer(trainer_pid)
+    to stop (``None``) or until the trainer is gone (end of file on the pipe). ``forked``: by a
+    zygote (see :func:`tie_to_trainer`)."""
+    tie_to_trainer(trainer_pid, forked=forked)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     import torch.distributed as dist
@@ -146,10 +162,24 @@ def worker_main(conn: Connection, trainer_pid: int) -> None:
             pass
 
 
+def _forked(fd: int) -> ForkedWorker | None:
+    """A worker forked by the zygote that ``$SOLOSAVE_WORKER_ZYGOTE`` names (``save/zygote.py``),
+    or ``None``: none is named, or it cannot be reached (logged: a fresh interpreter then)."""
+    address = os.environ.get(ZYGOTE_ENV)
+    if not address:
+        return None
+    try:
+        return fork_worker(address, fd, os.getpid())
+    except OSError as e:
+        log.warning("solosave: %s=%s: %s; starting the worker as a fresh interpreter", ZYGOTE_ENV, address, e)
+        return None
+
+
 class ProcessTransport:
     """A persistent worker process for one rank.
 
-    The worker is a fresh interpreter running ``python -m solosave._src.save.worker_entry <fd> <pid>``,
+    The worker is a fresh interpreter running ``python -m solosave._src.save.worker_entry <fd> <pid>``
+    (or, with ``$SOLOSAVE_WORKER_ZYGOTE`` set, a fork of that zygote: ``save/zygote.py``),
     connected to the trainer by a duplex pipe (one end passed as file descriptor ``fd``). Unlike
     a ``multiprocessing`` *spawn* child it does not re-import the trainer's main script, so a
     training script without an ``if __name__ == "__main__":`` guard works; it sees the trainer's
@@ -163,7 +193,7 @@ class ProcessTransport:
         paths += [p for p in sys.path if p and p not in paths]  # the trainer's imports resolve alike
         env["PYTHONPATH"] = os.pathsep.join(paths)
         try:
-            self.process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+            self.process = _forked(theirs.fileno()) or subprocess.Popen(  # noqa: S603 - our own interpreter
                 [sys.executable, "-m", "solosave._src.save.worker_entry", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), env=env, close_fds=True, start_new_session=True)
         finally:

@@ -1,4 +1,5 @@
-"""The worker process's entry point: ``python -m solosave._src.save.worker_entry <fd> <trainer pid>``.
+"""The worker process's entry point: ``python -m solosave._src.save.worker_entry <fd> <trainer pid>``
+(or ``--zygote <socket> <owner pid>``: a zygote that forks workers, ``save/zygote.py``).
 
 Started only by :class:`solosave._src.save.worker.ProcessTransport`; ``fd`` is its end of the duplex
 pipe to the trainer. A module of its own, so that ``-m`` does not execute a module that the
@@ -11,4 +12,9 @@ from multiprocessing.connection import Connection
 from solosave._src.save.worker import worker_main
 
 if __name__ == "__main__":
-    worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]))
+    if sys.argv[1] == "--zygote":  # python -m ... --zygote SOCKET OWNER_PID (save/zygote.py)
+        from solosave._src.save.zygote import serve
+
+        serve(sys.argv[2], int(sys.argv[3]))
+    else:
+        worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]))
