@@ -123,6 +123,7 @@ def _host_files(root, h, name):
     return sorted(os.listdir(d)) if d.is_dir() else []
 
 
+@pytest.mark.slow  # 40-50 s of fresh interpreters in namespaces; run by make test-slow (in CI)
 def test_peer_copies_restore_a_lost_hosts_fast_tier_bit_exactly(hosts, tmp_path, case_log):
     for d in ("fast", "host0", "host1"):
         (tmp_path / d).mkdir()

@@ -15,6 +15,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "--zygote":  # python -m ... --zygote SOCKET OWNER_PID (save/zygote.py)
         from solosave._src.save.zygote import serve
 
-        serve(sys.argv[2], int(sys.argv[3]))
+        serve(sys.argv[2], int(sys.argv[3]), worker_main)
     else:
         worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]))

@@ -119,10 +119,10 @@ def start_zygote(address: str, timeout: float = 60.0) -> subprocess.Popen:
     return proc
 
 
-def serve(address: str, owner_pid: int) -> None:
-    """The zygote's loop (see the module docstring); returns when the owner is gone."""
-    from solosave._src.save import worker  # the imports every worker needs, done once here
-
+def serve(address: str, owner_pid: int, worker_main: Any) -> None:
+    """The zygote's loop (see the module docstring); returns when the owner is gone.
+    ``worker_main(conn, trainer_pid, forked=True)`` is what each child runs; its module (and so
+    torch and DCP) is imported by the caller, once, before the loop."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = f"{address}.{os.getpid()}"
     listener.bind(tmp)
@@ -133,7 +133,7 @@ def serve(address: str, owner_pid: int) -> None:
     while _alive(owner_pid):
         if select.select([listener], [], [], 0.2)[0]:
             conn, _ = listener.accept()
-            pid = _serve_one(conn, listener, worker.worker_main)
+            pid = _serve_one(conn, listener, worker_main)
             if pid is None:
                 conn.close()
             else:
