@@ -44,10 +44,10 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from solosave._src.core.errors import OptionError, SolosaveError
+from solosave._src.core.errors import ChannelError, OptionError, SolosaveError
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.load.load import load
-from solosave._src.load.peers import repair_from_peers, repairable_step
+from solosave._src.load.peers import peer_channel, repair_from_peers, repairable_step
 from solosave._src.load.tiers import choose_restore_point, complete_here
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
@@ -219,14 +219,19 @@ def _restore_fast_tier_from_peers(save_dir: str | os.PathLike, ranks_per_host: i
     storage = storage_for(save_dir, storage_options)
     here = {step: storage.basename(path) for step, path in published_checkpoints(save_dir, storage_options)
             if complete_here(path, storage_options)}
-    found = repairable_step(here, ranks_per_host, process_group)
-    if found is None:
-        return
-    step, name, holders = found
-    error = repair_from_peers(storage.join(os.fspath(save_dir), name), holders, ranks_per_host, process_group,
-                              storage_options)
+    channel = peer_channel(process_group, ranks_per_host)
+    try:
+        found = repairable_step(here, ranks_per_host, channel)
+        if found is None:
+            return
+        step, name, holders = found
+        error = repair_from_peers(storage.join(os.fspath(save_dir), name), holders, ranks_per_host, channel,
+                                  storage_options)
+    except ChannelError as e:  # the tier choice that follows fails too, or reads the durable tier
+        step, error = None, f"between ranks: {e}"
     if error is not None:
-        log.warning("solosave: restoring step %d on this host's fast tier from its peers failed: %s", step, error)
+        log.warning("solosave: restoring %s on this host's fast tier from its peers failed: %s",
+                    "the newest step" if step is None else f"step {step}", error)
 
 
 def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, keep_every: int | None = None,
@@ -452,8 +457,12 @@ class CheckpointManager:
             self._pruner.request()
 
     def _on_done(self, done: PublishedSave) -> None:
-        """Every rank, for every finished save: its durable copy is tracked, then ``on_done``."""
+        """Every rank, for every finished save: its durable copy is tracked, then ``on_done``.
+        A host's first rank that prunes its own tier (peer copies) learns the step published
+        now, below which alone it deletes (as the coordinator does)."""
         self._track_copy(done)
+        if self._prunes_fast_tier and not self.is_coordinator and done.error is None and done.result is not None:
+            self._published_step = done.step
         if self.on_done is not None:
             self.on_done(done)
 

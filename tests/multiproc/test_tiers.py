@@ -88,3 +88,4 @@ def test_peer_copy_on_a_shared_fast_tier_sends_no_file(tmp_path):
             assert o[s]["calls"] == ["all_reduce", "recv", "send"], o[s]
             assert o[s]["sent"] < 1000, o[s]  # the flag, the header and the trailer: no file's bytes
         assert o["loads"] and o["equal"] and o["leftovers"] == []
+        assert "not with peer copies" in o["overwrite"], o["overwrite"]

@@ -259,6 +259,11 @@ def peer_copy_shared_tier(rank: int, ws: int, root: str, timeout: float) -> dict
             sent = sum(c.payload_bytes for c in d.collectives if c.kind == "send")
             out[step] = {"published": r.published, "ok": d.ok, "peer_ok": d.peer_ok, "peer_error": d.peer_error,
                          "calls": sorted({c.kind for c in d.collectives}), "sent": sent}
+        try:  # refused at once, on every rank: a host could keep old peer files beside the new .metadata
+            ck.save(state(rank, 2), f"{fast}/iter_1", overwrite=True)
+            out["overwrite"] = "accepted"
+        except ValueError as e:
+            out["overwrite"] = str(e)
     dist.barrier()
     out["loads"] = _loads(state(rank, 1), f"{fast}/iter_1") and _loads(state(rank, 1), f"{durable}/iter_1")
     out["equal"] = _copies_equal(f"{fast}/iter_1", f"{durable}/iter_1")

@@ -22,8 +22,8 @@ broken, as after any failed collective).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import pickle
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +38,9 @@ CHUNK = 8 << 20
 
 #: The names a peer may send: a rank's data files and their checksum sidecars, the load index
 #: and ``.metadata``; nothing with a directory part (a peer never names a path of this host).
+#: The longest header accepted (names and sizes of a rank's files; far below this).
+MAX_HEADER = 1 << 20
+
 PEER_FILE = re.compile(r"^(__\d+_\d+\.distcp(\.crc32)?|\.solosave-index|\.metadata)$")
 
 
@@ -73,16 +76,38 @@ def ring_pass(channel: Channel, send_to: int, recv_from: int, outgoing: Sequence
     bytes per message (the same on every rank)."""
     res = PassResult()
     files, error = _sizes(outgoing)
-    header = pickle.dumps({"files": files, "error": error}, protocol=pickle.HIGHEST_PROTOCOL)
+    header = json.dumps({"files": files, "error": error}).encode()
     got = channel.exchange(send_to, len(header).to_bytes(8, "little"), recv_from, 8)
-    theirs = _read_header(channel.exchange(send_to, header, recv_from, int.from_bytes(got or b"", "little")),
-                          recv_from)
-    incoming = theirs["files"]
-    if theirs["error"] is not None:
-        res.error = f"rank {recv_from} could not send its files: {theirs['error']}"
+    size = int.from_bytes(got or b"", "little")
+    if size > MAX_HEADER:
+        raise ChannelError(f"rank {recv_from} announced a header of {size} bytes (at most {MAX_HEADER})")
+    theirs = _read_header(channel.exchange(send_to, header, recv_from, size), recv_from)
+    incoming = [(name, size) for name, size in theirs["files"]]
     out_chunks = _ChunkReader(outgoing, files, chunk)
     in_plan = [(i, min(chunk, size - off)) for i, (_, size) in enumerate(incoming) for off in range(0, size, chunk)]
     sinks, write_error = _open_sinks(incoming, open_sink)
+    try:
+        write_error = _move(channel, send_to, recv_from, out_chunks, in_plan, incoming, sinks, res, files, chunk,
+                            stop, write_error)
+    except BaseException:
+        _abandon(sinks)  # a pass cut short leaves no temporary file and no open descriptor
+        raise
+    read_error = out_chunks.error or error
+    trailer = channel.exchange(send_to, b"+" if read_error is None else b"-", recv_from, 1)
+    if theirs["error"] is not None:
+        res.error = f"rank {recv_from} could not send its files: {theirs['error']}"
+    elif trailer != b"+":
+        res.error = f"rank {recv_from} could not read all of the files it sent"
+    res.error = res.error or write_error or read_error
+    _finish(sinks, incoming, res, ok=trailer == b"+" and write_error is None and theirs["error"] is None)
+    return res
+
+
+def _move(channel: Channel, send_to: int, recv_from: int, out_chunks: Any, in_plan: list[tuple[int, int]],
+          incoming: list[tuple[str, int]], sinks: list[Any], res: PassResult, files: list[tuple[str, int]],
+          chunk: int, stop: Callable[[], bool] | None, write_error: str | None) -> str | None:
+    """Step 2: the chunks both ways. Returns the first write error (the pass goes on after it,
+    dropping what it receives, to stay in step)."""
     steps = max(len(in_plan), sum(-(-size // chunk) for _, size in files))
     for step in range(steps):
         if stop is not None and stop():
@@ -98,13 +123,7 @@ def ring_pass(channel: Channel, send_to: int, recv_from: int, outgoing: Sequence
                     sinks[want[0]].write(data)
                 except Exception as e:  # noqa: BLE001 - reported; the pass goes on to stay in step
                     write_error = f"writing {incoming[want[0]][0]} failed: {describe(e)}"
-    read_error = out_chunks.error or error
-    trailer = channel.exchange(send_to, b"+" if read_error is None else b"-", recv_from, 1)
-    if trailer != b"+" and res.error is None:
-        res.error = f"rank {recv_from} could not read all of the files it sent"
-    res.error = res.error or write_error or read_error
-    _finish(sinks, incoming, res, ok=trailer == b"+" and write_error is None and theirs["error"] is None)
-    return res
+    return write_error
 
 
 class RenamedInPlace:
@@ -141,10 +160,16 @@ def _sizes(outgoing: Sequence[Outgoing]) -> tuple[list[tuple[str, int]], str | N
 
 
 def _read_header(data: bytes | None, sender: int) -> dict:
-    """The sender's header, checked: a peer that names anything but checkpoint files of this
-    directory (a path, a negative size) breaks the channel, as a failed message does."""
-    head = pickle.loads(data or b"")  # noqa: S301 - our own peer's header, over the job's private group
-    for name, size in head["files"]:
+    """The sender's header (JSON), checked: a peer that names anything but checkpoint files of
+    this directory (a path, a negative size) breaks the channel, as a failed message does."""
+    try:
+        head = json.loads(data or b"")
+        files, error = head["files"], head["error"]
+        assert isinstance(files, list) and (error is None or isinstance(error, str))  # noqa: S101 - caught below
+    except Exception as e:  # noqa: BLE001 - any malformed header breaks the channel
+        raise ChannelError(f"rank {sender} sent a malformed header: {describe(e)}") from e
+    for entry in files:
+        name, size = entry if isinstance(entry, list) and len(entry) == 2 else (entry, None)
         if not isinstance(name, str) or not PEER_FILE.match(name) or not isinstance(size, int) or size < 0:
             raise ChannelError(f"rank {sender} sent a file entry that is not a checkpoint file: {name!r} ({size!r})")
     return head
@@ -198,14 +223,19 @@ class _ChunkReader:
             yield bytes(n)
 
 
+def _abandon(sinks: list[Any]) -> None:
+    for sink in sinks:
+        with contextlib.suppress(Exception):
+            sink.close()
+
+
 def _open_sinks(incoming: list[tuple[str, int]], open_sink: Callable[[str, int], Any]) -> tuple[list[Any], str | None]:
     sinks: list[Any] = []
     for name, size in incoming:
         try:
             sinks.append(open_sink(name, size))
         except Exception as e:  # noqa: BLE001 - the bytes are still received (and dropped)
-            for s in sinks:
-                s.close()
+            _abandon(sinks)
             return [], f"opening {name} failed: {describe(e)}"
     return sinks, None
 
@@ -214,7 +244,8 @@ def _finish(sinks: list[Any], incoming: list[tuple[str, int]], res: PassResult, 
     """Commit every received file (``ok``), else abandon them all."""
     for sink, (name, _) in zip(sinks, incoming):
         if not ok:
-            sink.close()
+            with contextlib.suppress(Exception):
+                sink.close()
             continue
         try:
             sink.commit()

@@ -31,20 +31,38 @@ from typing import Any
 
 import torch.distributed as dist
 
-from solosave._src.coordination.channel import DistChannel
-from solosave._src.coordination.transfer import PEER_FILE, Outgoing, ring_pass
-from solosave._src.core.errors import describe
+from solosave._src.coordination.channel import CollectiveCounter, DistChannel
+from solosave._src.coordination.rendezvous import new_gloo_group
+from solosave._src.coordination.transfer import PEER_FILE, Outgoing, RenamedInPlace, ring_pass
+from solosave._src.core.errors import ChannelError, describe
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.load.tiers import complete_here
 from solosave._src.storage.registry import storage_for
 
 
+def peer_channel(process_group: Any, ranks_per_host: int, timeout: float = 600.0) -> DistChannel:
+    """The channel of a restore from peers: ``process_group`` if it is a gloo group, else a gloo
+    group over the same ranks (point-to-point messages of CPU bytes; created collectively, every
+    rank of the job). Raises ``ValueError`` if the ranks do not form two hosts or more."""
+    world = dist.get_world_size(process_group)
+    if ranks_per_host < 1 or world % ranks_per_host or world // ranks_per_host < 2:
+        raise ValueError(f"ranks_per_host={ranks_per_host} does not split the {world} ranks into two hosts or more "
+                         "of the same size: pass the ranks per host the checkpoint was saved with")
+    try:
+        gloo = dist.get_backend(process_group) == "gloo"
+    except Exception:  # noqa: BLE001 - unknown backend: a gloo group of its own
+        gloo = False
+    if gloo:
+        return DistChannel(process_group, timeout=timeout)
+    return DistChannel(new_gloo_group(process_group, CollectiveCounter(), timeout), timeout=timeout)
+
+
 def repairable_step(complete: Mapping[int, str], ranks_per_host: int,
-                    process_group: Any = None) -> tuple[int, str, list[bool]] | None:
+                    channel: DistChannel) -> tuple[int, str, list[bool]] | None:
     """``complete``: this rank's ``{step: name}`` complete on its fast tier. Returns the newest
     step every host holds or can get back from its neighbours, as ``(step, name, which ranks
     hold it)``, or ``None``; the same on every rank (see the module docstring)."""
-    lists = DistChannel(process_group).all_gather_object(sorted(complete.items()))
+    lists = channel.all_gather_object(sorted(complete.items()))
     return newest_restorable([dict(items) for items in lists], ranks_per_host)
 
 
@@ -62,13 +80,15 @@ def newest_restorable(held: Sequence[Mapping[int, str]], ranks_per_host: int) ->
     return None
 
 
-def repair_from_peers(directory: str, holders: Sequence[bool], ranks_per_host: int, process_group: Any = None,
+def repair_from_peers(directory: str, holders: Sequence[bool], ranks_per_host: int, channel: DistChannel,
                       storage_options: Mapping[str, Any] | None = None) -> str | None:
     """Give every host that misses ``directory`` (``holders[r]``: rank ``r`` finds it complete)
     its files back from its neighbour hosts (see the module docstring). Returns this rank's
     error (``None``: nothing went wrong here); whether the step is complete everywhere is for
-    the tier choice that follows to find out."""
-    ch = DistChannel(process_group)
+    the tier choice that follows to find out. A missing host's ``.metadata`` is removed first,
+    and every file it receives is renamed into place once whole: a repair that fails leaves
+    no file half-written and nothing published."""
+    ch = channel
     W, L, r = ch.world_size, ranks_per_host, ch.rank
     missing = {k // L for k, ok in enumerate(holders) if not ok}
     if not missing:
@@ -79,20 +99,30 @@ def repair_from_peers(directory: str, holders: Sequence[bool], ranks_per_host: i
     kept: dict[str, bytes] = {}
     error = None
     if here_missing:
-        st.makedirs(directory)
+        try:
+            st.makedirs(directory)
+            st.remove(st.join(directory, METADATA_FILE))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            error = f"preparing {directory} failed: {describe(e)}"
 
     def sink(name: str, size: int) -> Any:
         if not here_missing:
             raise ValueError(f"{name} was sent to a host that holds the checkpoint")
         if name in (METADATA_FILE, INDEX_FILE):
             return _Kept(kept, name)
-        return st.open_data(st.join(directory, name))
+        path = st.join(directory, name)
+        return RenamedInPlace(path, st.open_data) if st.local_files else st.open_data(path)
 
     nxt, prv = (r + L) % W, (r - L) % W
     for to, frm, rank_files, with_metadata in ((prv, nxt, prv, r % L == 0), (nxt, prv, r, False)):
         out: list[Outgoing] = []
         if not here_missing and to // L in missing:
-            out = _files_of(st, directory, rank_files, with_metadata)
+            try:
+                out = _files_of(st, directory, rank_files, with_metadata)
+            except OSError as e:  # nothing sent; the pass still runs, in step
+                error = error or f"listing {directory} failed: {describe(e)}"
         res = ring_pass(ch, to, frm, out, sink)
         error = error or res.error
     ok = ch.all_true(error is None)
@@ -145,11 +175,16 @@ def restore_from_peers(path: str | os.PathLike, ranks_per_host: int, process_gro
                        storage_options: Mapping[str, Any] | None = None) -> str | None:
     """:func:`repair_from_peers` for one checkpoint directory (``solosave.load``): every rank
     says whether it finds ``path`` complete (one ``all_gather_object``), then the hosts that
-    miss it get it back. Returns this rank's error, if any."""
+    miss it get it back. Returns this rank's error, if any (a broken channel included: the tier
+    choice that follows then fails or reads the durable copy)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    holders = DistChannel(process_group).all_gather_object(complete_here(path, storage_options))
-    return repair_from_peers(os.fspath(path), holders, ranks_per_host, process_group, storage_options)
+    channel = peer_channel(process_group, ranks_per_host)
+    try:
+        holders = channel.all_gather_object(complete_here(path, storage_options))
+        return repair_from_peers(os.fspath(path), holders, ranks_per_host, channel, storage_options)
+    except ChannelError as e:
+        return f"the restore from peers failed between ranks: {e}"
 
 
-__all__ = ["newest_restorable", "repair_from_peers", "repairable_step", "restore_from_peers"]
+__all__ = ["newest_restorable", "peer_channel", "repair_from_peers", "repairable_step", "restore_from_peers"]

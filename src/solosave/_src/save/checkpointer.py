@@ -219,13 +219,13 @@ class AsyncCheckpointer:
         # rank exactly when the AND gives back the value and its complement
         hosts = self._ranks_per_host & 0xFFFF
         agreed = ch.all_and(int(error is None) | tiers | hosts << 8 | (~hosts & 0xFFFF) << 24)
-        if error is None and not agreed & 0b110:
-            raise ValueError("durable_root is set on some ranks only: pass the same durable_root (or none) "
-                             "to the AsyncCheckpointer of every rank")
-        if error is None and (agreed >> 8) & 0xFFFF != ~(agreed >> 24) & 0xFFFF:
-            raise ValueError("peer_copy or ranks_per_host differs between ranks: pass the same to the "
-                             "AsyncCheckpointer of every rank (LOCAL_WORLD_SIZE must be the same on every host)")
-        if agreed & 1:
+        if agreed & 1:  # every rank set up: a mismatch is seen by every rank alike
+            if not agreed & 0b110:
+                raise ValueError("durable_root is set on some ranks only: pass the same durable_root (or none) "
+                                 "to the AsyncCheckpointer of every rank")
+            if (agreed >> 8) & 0xFFFF != ~(agreed >> 24) & 0xFFFF:
+                raise ValueError("peer_copy or ranks_per_host differs between ranks: pass the same to the "
+                                 "AsyncCheckpointer of every rank (LOCAL_WORLD_SIZE must be the same on every host)")
             return prepared
         reports = ch.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
@@ -370,6 +370,10 @@ class AsyncCheckpointer:
                 "directory or pass overwrite=True (its .metadata is removed before any data is written)")
         storage.prepare_destination(directory, self._known_buckets)
         root = self.options.durable_root
+        if overwrite and self._ranks_per_host:
+            raise ValueError(f"save(..., overwrite=True) to {directory!r}: not with peer copies (a host would keep "
+                             "the earlier save's peer files beside the new .metadata until the new ones arrive); "
+                             "save under a new name")
         if root is not None and durable_directory(root, directory) == directory:
             raise ValueError(f"the durable copy of {directory!r} would be the checkpoint itself: durable_root "
                              f"({root!r}) must be another directory than the save's parent")

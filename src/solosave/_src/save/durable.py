@@ -212,10 +212,11 @@ class Copier:
         try:
             failures, _ = copy_to_peer(self.channel, task.seq, task.source, task.files, self.writer,
                                        self.ranks_per_host, self.storage_options, stop=lambda: self._closing)
-        except (ChannelError, OutOfStep, InterruptedError) as e:
-            self.broken = (f"the durable channel failed during the peer copy of {task.source} ({e}): another "
-                           "rank's worker died or did not answer in time; later copies fail at once: "
-                           "close() this checkpointer and create a new AsyncCheckpointer on every rank")
+        except Exception as e:  # noqa: BLE001 - a channel error, or a bug that left the ranks out of step
+            self.broken = (f"the durable channel failed during the peer copy of {task.source} ({describe(e)}): "
+                           "another rank's worker died or did not answer in time, or this rank could not "
+                           "go on; later copies fail at once: close() this checkpointer and create a new "
+                           "AsyncCheckpointer on every rank")
             return False, {self.channel.rank: self.broken}
         return not failures, failures
 

@@ -7,17 +7,20 @@ every save published on the fast tier, before the durable copy. Hosts are consec
 ``L = ranks_per_host`` ranks; rank ``r`` sends to ``(r + L) % W`` (the same local rank on the
 next host) and receives from ``(r - L) % W``. Who calls what, in order (every rank):
 
-1. the coordinator posts the checkpoint's ``.metadata`` and load index (a store key, not a
-   collective); the first rank of every other host reads them and removes a ``.metadata`` of
-   an earlier save of the same name from its fast tier (never an old ``.metadata`` beside new
-   data);
+1. the coordinator posts the digest of the checkpoint's ``.metadata`` (and, with two hosts, the
+   ``.metadata`` and load index themselves) on the job's store (keys, not collectives); every
+   other rank compares it with the ``.metadata`` it sees and removes one of an earlier save of
+   the same name (never an old ``.metadata`` beside new data); seeing the coordinator's own
+   from another host means the tier is shared, and no file is sent (each receiver tells its
+   sender, one byte);
 2. every rank: one :func:`~solosave._src.coordination.transfer.ring_pass` (its own files out,
-   its predecessor's in, written next to its own under the same names);
+   its predecessor's in, written next to its own under the same names, each renamed into place
+   once whole);
 3. every rank: **one** 8-byte ``all_reduce`` of the status word (ok / failed, this stage's
-   identity); then the coordinator drops the store key (every reader has read it);
-4. agreed ok: the first rank of every other host publishes the load index and ``.metadata``
-   on its fast tier, ``.metadata`` last (a failure there is reported on that rank only);
-   agreed failed: every rank all-gathers the errors (failure path only).
+   identity); then the coordinator drops the store keys (every reader has read them);
+4. agreed ok, two hosts: the first rank of the other host publishes the load index and
+   ``.metadata`` on its fast tier, ``.metadata`` last (a failure there is reported on that rank
+   only); agreed failed: every rank all-gathers the errors (failure path only).
 
 A host then holds its own ranks' files and its predecessor's. With two hosts each holds the
 whole checkpoint, so either one alone restores it (:mod:`solosave._src.load.peers`).
@@ -25,6 +28,7 @@ whole checkpoint, so either one alone restores it (:mod:`solosave._src.load.peer
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,7 +47,8 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
                  stop: Callable[[], bool] | None = None) -> tuple[dict[int, str], int]:
     """Run the peer stage of save ``seq`` (published at ``directory``) on this rank; returns the
     failures (per rank; the same on every rank except a host's own ``.metadata`` publication)
-    and the bytes this rank sent. Raises ``ChannelError`` / ``OutOfStep`` (the channel broke)."""
+    and the bytes this rank sent. Raises ``ChannelError`` / ``OutOfStep`` (the channel broke);
+    any other error of this rank is reported through the status word, in step with the others."""
     ch, L, W = channel, ranks_per_host, channel.world_size
     nxt, prv = (ch.rank + L) % W, (ch.rank - L) % W
     st = storage_for(directory, storage_options)
@@ -51,8 +56,7 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
     publish, shared, error = _share_metadata(ch, st, directory, key, L)
     # the receiver tells its sender whether it sees the sender's files already (a shared tier)
     receiver_has_them = ch.exchange(prv, b"1" if shared else b"0", nxt, 1) == b"1"
-    skip = shared or receiver_has_them
-    outgoing = [] if skip else [Outgoing(rel, st, st.join(directory, rel)) for rel in files]
+    outgoing = [] if shared or receiver_has_them else [Outgoing(rel, st, st.join(directory, rel)) for rel in files]
 
     def sink(name: str, size: int) -> Any:
         if not name.startswith(f"__{prv}_"):
@@ -60,7 +64,10 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
         path = st.join(directory, name)
         return RenamedInPlace(path, writer.open) if st.local_files else writer.open(path)
 
-    st.makedirs(directory)
+    try:
+        st.makedirs(directory)
+    except OSError as e:
+        error = error or f"creating {directory} failed: {describe(e)}"
     res = ring_pass(ch, nxt, prv, outgoing, sink, stop)
     error = error or res.error
     ident = save_identity(seq, "peer:" + directory)
@@ -70,10 +77,11 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
         raise OutOfStep(f"this rank's peer copy of save {seq} met another rank's copy of a different save")
     if ch.is_coordinator:
         ch.drop_value(key)
+        ch.drop_value(key + "/digest")
     if agreed != Status.OK:
         reports = ch.all_gather_object(error)
         return {r: e for r, e in enumerate(reports) if e is not None}, res.sent_bytes
-    if publish is not None and ch.rank % L == 0:
+    if publish is not None:
         try:
             for name in (INDEX_FILE, METADATA_FILE):
                 if name in publish:
@@ -86,57 +94,71 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
 
 def _share_metadata(ch: Channel, st: Any, directory: str, key: str,
                     ranks_per_host: int) -> tuple[dict[str, bytes] | None, bool, str | None]:
-    """Step 1: the coordinator posts its ``.metadata`` and load index; every other rank reads
-    them and compares them with the ``.metadata`` it sees. Returns what this host publishes after
-    the stage (``None``: nothing), whether this rank sees the coordinator's ``.metadata`` from
-    another host (a fast tier shared with it: the files are there already), and the error."""
+    """Step 1: the coordinator posts its ``.metadata``'s digest and, for two hosts, the files
+    themselves; every other rank compares the digest with the ``.metadata`` it sees. Returns
+    what this rank publishes after the stage (``None``: nothing; only the first rank of the
+    other host, and only with two hosts: with more, a host holds two hosts' files, not every
+    file, so a ``.metadata`` there would name files it lacks), whether this rank sees the
+    coordinator's ``.metadata`` from another host (a fast tier shared with it: the files are
+    there already), and the error."""
+    two_hosts = ch.world_size // ranks_per_host == 2
     if ch.is_coordinator:
         try:
-            ch.post_value(key, _published_files(st, directory))
+            md = st.read(st.join(directory, METADATA_FILE))
+            files = _published_files(st, directory, md) if two_hosts else None
         except OSError as e:
-            ch.post_value(key, pickle.dumps(None))
-            return None, False, f"reading the published {METADATA_FILE} of {directory} failed: {describe(e)}"
-        return None, False, None
-    publish, same, error = _stale_metadata_removed(st, directory, ch.read_value(key, ch.timeout))
+            md, files = b"", None
+            error = f"reading the published {METADATA_FILE} of {directory} failed: {describe(e)}"
+        else:
+            error = None
+        ch.post_value(key + "/digest", hashlib.sha256(md).hexdigest().encode())
+        if two_hosts:
+            ch.post_value(key, pickle.dumps(files, protocol=pickle.HIGHEST_PROTOCOL))
+        return None, False, error
+    digest = ch.read_value(key + "/digest", ch.timeout).decode()
+    same, error = _stale_metadata_removed(st, directory, digest)
+    other_host = ch.rank // ranks_per_host != ch.coordinator // ranks_per_host
+    publish = None
+    if two_hosts and other_host and ch.rank % ranks_per_host == 0 and not same and error is None:
+        files = pickle.loads(ch.read_value(key, ch.timeout))  # noqa: S301 - this job's coordinator, private store
+        if files is None or not all(PEER_FILE.match(n) for n in files):
+            error = "the coordinator could not post its .metadata"
+        else:
+            publish = files
     # ranks on the coordinator's host see its .metadata on any tier: that tells nothing
-    return publish, same and ch.rank // ranks_per_host != ch.coordinator // ranks_per_host, error
+    return publish, same and other_host, error
 
 
-def _published_files(st: Any, directory: str) -> bytes:
-    """The coordinator's ``.metadata`` and load index (if any), pickled for the store."""
-    out = {METADATA_FILE: st.read(st.join(directory, METADATA_FILE))}
+def _published_files(st: Any, directory: str, md: bytes) -> dict[str, bytes]:
+    """The coordinator's ``.metadata`` and load index (if any), for the store."""
+    out = {METADATA_FILE: md}
     try:
         out[INDEX_FILE] = st.read(st.join(directory, INDEX_FILE))
     except FileNotFoundError:
         pass
-    return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+    return out
 
 
-def _stale_metadata_removed(st: Any, directory: str,
-                            posted: bytes) -> tuple[dict[str, bytes] | None, bool, str | None]:
-    """A rank other than the coordinator: what its host publishes after the stage (``None``:
-    nothing, it sees the coordinator's ``.metadata`` already), whether it does, and the error.
-    A ``.metadata`` of an earlier save of the same name is removed first (every rank of the host
-    does it before it writes: never an old ``.metadata`` beside new data)."""
-    files = pickle.loads(posted)  # noqa: S301 - posted by this job's coordinator on its private store
-    if files is None:
-        return None, False, "the coordinator could not read the published .metadata"
-    if not all(PEER_FILE.match(n) for n in files):
-        return None, False, f"the coordinator posted unexpected files: {sorted(files)}"
+def _stale_metadata_removed(st: Any, directory: str, digest: str) -> tuple[bool, str | None]:
+    """A rank other than the coordinator: whether the ``.metadata`` it sees is the coordinator's
+    (by its digest), and the error. One of an earlier save of the same name is removed (every
+    rank of the host does it before it writes: never an old ``.metadata`` beside new data)."""
     marker = st.join(directory, METADATA_FILE)
     try:
         here = st.read(marker)
     except FileNotFoundError:
-        return files, False, None
+        return False, None
     except OSError as e:
-        return None, False, f"reading {marker} failed: {describe(e)}"
-    if here == files[METADATA_FILE]:
-        return None, True, None
+        return False, f"reading {marker} failed: {describe(e)}"
+    if hashlib.sha256(here).hexdigest() == digest:
+        return True, None
     try:
         st.remove(marker)
+    except FileNotFoundError:
+        pass
     except OSError as e:
-        return None, False, f"removing the earlier save's {marker} failed: {describe(e)}"
-    return files, False, None
+        return False, f"removing the earlier save's {marker} failed: {describe(e)}"
+    return False, None
 
 
 __all__ = ["copy_to_peer"]

@@ -55,7 +55,7 @@ from solosave._src.coordination.protocol import (
 )
 from solosave._src.core.errors import WorkerDiedError
 from solosave._src.save.engine import Engine
-from solosave._src.save.zygote import ZYGOTE_ENV, ForkedWorker, fork_worker
+from solosave._src.save.zygote import ZYGOTE_ENV, ForkedWorker, ZygoteLost, fork_worker
 
 log = logging.getLogger("solosave")
 _POLL = 0.05
@@ -170,6 +170,8 @@ def _forked(fd: int) -> ForkedWorker | None:
         return None
     try:
         return fork_worker(address, fd, os.getpid())
+    except ZygoteLost as e:  # the pipe was handed over: no second worker on it
+        raise WorkerDiedError(f"{ZYGOTE_ENV}={address}: {e}") from e
     except OSError as e:
         log.warning("solosave: %s=%s: %s; starting the worker as a fresh interpreter", ZYGOTE_ENV, address, e)
         return None

@@ -25,6 +25,7 @@ Only the user that runs the zygote may connect (``SO_PEERCRED``); the socket is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import select
@@ -42,6 +43,11 @@ ZYGOTE_ENV = "SOLOSAVE_WORKER_ZYGOTE"
 _HEADER = struct.Struct("<I")
 
 
+class ZygoteLost(Exception):
+    """The zygote took the worker's pipe and did not answer: a fresh worker on the same pipe
+    could meet a late fork there, so the checkpointer cannot start."""
+
+
 class ForkedWorker:
     """A worker forked by a zygote, with the part of ``subprocess.Popen`` that the transport uses."""
 
@@ -49,6 +55,10 @@ class ForkedWorker:
         self._sock = sock
         self.pid = pid
         self.returncode: int | None = None
+        try:  # signals go to this process, never to a later one that reuses its pid
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            self._pidfd = None
 
     def poll(self) -> int | None:
         if self.returncode is None and select.select([self._sock], [], [], 0)[0]:
@@ -63,8 +73,13 @@ class ForkedWorker:
         return self.returncode  # type: ignore[return-value]
 
     def kill(self) -> None:
+        if self.returncode is not None:
+            return
         try:
-            os.kill(self.pid, signal.SIGKILL)
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -73,6 +88,9 @@ class ForkedWorker:
         # no answer: the zygote is gone; its workers are reaped by init, their codes unknown
         self.returncode = int(data) if data.strip(b"-").isdigit() else -1
         self._sock.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 def fork_worker(address: str, fd: int, trainer_pid: int, timeout: float = 30.0) -> ForkedWorker:
@@ -82,11 +100,17 @@ def fork_worker(address: str, fd: int, trainer_pid: int, timeout: float = 30.0) 
     try:
         sock.settimeout(timeout)
         sock.connect(address)
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():  # the pipe and the environment go to this user's zygote only
+            raise OSError(f"the process listening at {address} belongs to another user (uid {uid})")
         env = dict(os.environ)
         env.pop(ZYGOTE_ENV, None)  # the worker starts no worker of its own
         request = pickle.dumps({"trainer_pid": trainer_pid, "sys_path": list(sys.path), "env": env})
         socket.send_fds(sock, [_HEADER.pack(len(request)) + request], [fd])
-        answer = _recv_line(sock)
+        try:
+            answer = _recv_line(sock)
+        except OSError as e:  # the pipe was handed over: a worker may still appear on it
+            raise ZygoteLost(f"the worker zygote at {address} did not answer: {e}") from e
         if not answer.isdigit():
             raise OSError(f"the worker zygote at {address} refused: {answer.decode(errors='replace')}")
         sock.settimeout(None)
@@ -132,8 +156,14 @@ def serve(address: str, owner_pid: int, worker_main: Any) -> None:
     clients: dict[int, socket.socket] = {}  # child pid -> its trainer's connection
     while _alive(owner_pid):
         if select.select([listener], [], [], 0.2)[0]:
-            conn, _ = listener.accept()
-            pid = _serve_one(conn, listener, worker_main)
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            try:
+                pid = _serve_one(conn, listener, worker_main)
+            except Exception:  # noqa: BLE001 - one bad client never stops the zygote (its workers would die)
+                pid = None
             if pid is None:
                 conn.close()
             else:
@@ -147,12 +177,15 @@ def serve(address: str, owner_pid: int, worker_main: Any) -> None:
 def _serve_one(conn: socket.socket, listener: socket.socket, worker_main: Any) -> int | None:
     """Fork one worker for the request on ``conn``; its pid (``None``: refused, answered)."""
     conn.settimeout(10.0)
+    fds: list[int] = []
     try:
         _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         if uid != os.getuid():
             conn.sendall(b"refused: another user\n")
             return None
         msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 1)
+        if len(fds) != 1:
+            raise ValueError(f"expected the worker's pipe, got {len(fds)} descriptors")
         size = _HEADER.unpack_from(msg)[0]
         while len(msg) < _HEADER.size + size:
             more = conn.recv(_HEADER.size + size - len(msg))
@@ -161,7 +194,10 @@ def _serve_one(conn: socket.socket, listener: socket.socket, worker_main: Any) -
             msg += more
         request = pickle.loads(msg[_HEADER.size:])  # noqa: S301 - from a process of this user
     except Exception as e:  # noqa: BLE001 - answered, the zygote goes on
-        conn.sendall(f"refused: {type(e).__name__}: {e}\n".encode())
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            conn.sendall(f"refused: {type(e).__name__}: {e}\n".encode())
         return None
     pid = os.fork()
     if pid == 0:  # the worker
@@ -183,7 +219,10 @@ def _serve_one(conn: socket.socket, listener: socket.socket, worker_main: Any) -
             sys.stderr.flush()
         os._exit(code)
     os.close(fds[0])
-    conn.sendall(f"{pid}\n".encode())
+    try:
+        conn.sendall(f"{pid}\n".encode())
+    except OSError:  # the trainer is gone: so is the pipe, and the worker ends by itself
+        pass
     return pid
 
 
@@ -216,4 +255,4 @@ def _alive(pid: int) -> bool:
 
 
 
-__all__ = ["ZYGOTE_ENV", "ForkedWorker", "fork_worker", "serve", "start_zygote"]
+__all__ = ["ZYGOTE_ENV", "ForkedWorker", "ZygoteLost", "fork_worker", "serve", "start_zygote"]
