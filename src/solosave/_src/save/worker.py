@@ -218,7 +218,7 @@ class ProcessTransport:
                 self._conn.send(compact_job(self._last, job))
                 self._last = job
         except OSError as e:  # broken pipe: the worker is gone
-            self._check_alive()
+            self._settle()
             raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) is unreachable: {e}") from e
 
     def share_buffer(self, name: str, fd: int) -> None:
@@ -230,8 +230,17 @@ class ProcessTransport:
                 self._conn.send(BufferHandoff(name))
                 reduction.send_handle(self._conn, fd, self.pid)
         except OSError as e:  # broken pipe: the worker is gone
-            self._check_alive()
+            self._settle()
             raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) is unreachable: {e}") from e
+
+    def _settle(self) -> None:
+        """The pipe broke: give the worker's exit a moment to be known (a zygote's worker is
+        reaped by the zygote, which then tells us), then raise with its exit code if it exited."""
+        try:
+            self.process.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        self._check_alive()
 
     def _check_alive(self) -> None:
         if self._fatal is not None:
@@ -249,11 +258,7 @@ class ProcessTransport:
                 ready = self._conn.poll(min(_POLL, max(deadline - time.monotonic(), 0.0)))
                 msg = self._conn.recv() if ready else None
             except (EOFError, OSError):
-                try:
-                    self.process.wait(1.0)  # let it finish exiting, to report its exit code
-                except subprocess.TimeoutExpired:
-                    pass
-                self._check_alive()
+                self._settle()  # let it finish exiting, to report its exit code
                 raise WorkerDiedError(f"the solosave worker process (pid {self.pid}) closed its pipe") from None
             if msg is None:
                 self._check_alive()

@@ -155,7 +155,7 @@ def serve(address: str, owner_pid: int, worker_main: Any) -> None:
     listener.listen(64)
     clients: dict[int, socket.socket] = {}  # child pid -> its trainer's connection
     while _alive(owner_pid):
-        if select.select([listener], [], [], 0.2)[0]:
+        if select.select([listener], [], [], 0.05)[0]:  # short: an exit is reported within it
             try:
                 conn, _ = listener.accept()
             except OSError:
