@@ -259,7 +259,9 @@ def test_the_peer_copy_options_and_their_flags(monkeypatch):
         peer_ranks_per_host(o, 6)
     env = CheckpointerOptions(durable_root="/d", peer_copy=True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert peer_ranks_per_host(env, 6) == 2
+    assert peer_ranks_per_host(env, 4) == 2
+    with pytest.raises(ValueError, match="peer_copy is for two hosts .* makes 3 of the 6 ranks"):
+        peer_ranks_per_host(env, 6)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(ValueError, match="pass ranks_per_host .* or launch with torchrun"):
-        peer_ranks_per_host(env, 6)
+        peer_ranks_per_host(env, 4)

@@ -205,6 +205,10 @@ def peer_ranks_per_host(options: CheckpointerOptions, world_size: int) -> int:
     if world_size % n or world_size // n < 2:
         raise ValueError(f"peer_copy needs at least two hosts of {n} rank(s) each (ranks_per_host={n}), but the "
                          f"world has {world_size} rank(s): drop peer_copy on a single host, or fix ranks_per_host")
+    if world_size // n > 2:
+        raise ValueError(f"peer_copy is for two hosts (ranks_per_host={n} makes {world_size // n} of the {world_size} "
+                         "ranks): with more, no host would hold every file and restores could not use the peer "
+                         "copies (docs/storage.md, 'Peer copies'); drop peer_copy")
     return n
 
 
