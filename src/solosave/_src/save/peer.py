@@ -3,12 +3,13 @@
 With node-local fast tiers (an NVMe or ``/dev/shm`` per host, the same path on every host), a
 lost host takes its ranks' files with it. With ``peer_copy`` each rank's copier (the background
 thread of :mod:`solosave._src.save.durable`, on the durable channel) runs this stage first, for
-every save published on the fast tier, before the durable copy. Hosts are consecutive blocks of
-``L = ranks_per_host`` ranks; rank ``r`` sends to ``(r + L) % W`` (the same local rank on the
-next host) and receives from ``(r - L) % W``. Who calls what, in order (every rank):
+every save published on the fast tier, before the durable copy. The job spans two hosts (the
+only count ``peer_copy`` accepts), consecutive blocks of ``L = ranks_per_host`` ranks; rank ``r``
+sends to ``(r + L) % W`` (the same local rank on the other host) and receives from
+``(r - L) % W`` (the same rank). Who calls what, in order (every rank):
 
-1. the coordinator posts the digest of the checkpoint's ``.metadata`` (and, with two hosts, the
-   ``.metadata`` and load index themselves) on the job's store (keys, not collectives); every
+1. the coordinator posts the digest of the checkpoint's ``.metadata`` and the ``.metadata`` and
+   load index themselves on the job's store (keys, not collectives); every
    other rank compares it with the ``.metadata`` it sees and removes one of an earlier save of
    the same name (never an old ``.metadata`` beside new data); seeing the coordinator's own
    from another host means the tier is shared, and no file is sent (each receiver tells its
@@ -18,12 +19,12 @@ next host) and receives from ``(r - L) % W``. Who calls what, in order (every ra
    once whole);
 3. every rank: **one** 8-byte ``all_reduce`` of the status word (ok / failed, this stage's
    identity); then the coordinator drops the store keys (every reader has read them);
-4. agreed ok, two hosts: the first rank of the other host publishes the load index and
+4. agreed ok: the first rank of the other host publishes the load index and
    ``.metadata`` on its fast tier, ``.metadata`` last (a failure there is reported on that rank
    only); agreed failed: every rank all-gathers the errors (failure path only).
 
-A host then holds its own ranks' files and its predecessor's. With two hosts each holds the
-whole checkpoint, so either one alone restores it (:mod:`solosave._src.load.peers`).
+Each host then holds the whole checkpoint, so either one alone restores it
+(:mod:`solosave._src.load.peers`).
 """
 
 from __future__ import annotations
@@ -94,32 +95,29 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
 
 def _share_metadata(ch: Channel, st: Any, directory: str, key: str,
                     ranks_per_host: int) -> tuple[dict[str, bytes] | None, bool, str | None]:
-    """Step 1: the coordinator posts its ``.metadata``'s digest and, for two hosts, the files
-    themselves; every other rank compares the digest with the ``.metadata`` it sees. Returns
-    what this rank publishes after the stage (``None``: nothing; only the first rank of the
-    other host, and only with two hosts: with more, a host holds two hosts' files, not every
-    file, so a ``.metadata`` there would name files it lacks), whether this rank sees the
-    coordinator's ``.metadata`` from another host (a fast tier shared with it: the files are
-    there already), and the error."""
-    two_hosts = ch.world_size // ranks_per_host == 2
+    """Step 1: the coordinator posts its ``.metadata``'s digest and the files themselves; every
+    other rank compares the digest with the ``.metadata`` it sees. Returns what this rank
+    publishes after the stage (``None``: nothing; only the first rank of the other host does),
+    whether this rank sees the coordinator's ``.metadata`` from the other host (a fast tier
+    shared with it: the files are there already), and the error. Two hosts (the only count
+    ``peer_copy`` accepts): each then holds every file, so its ``.metadata`` names no missing one."""
     if ch.is_coordinator:
         try:
             md = st.read(st.join(directory, METADATA_FILE))
-            files = _published_files(st, directory, md) if two_hosts else None
+            files: dict[str, bytes] | None = _published_files(st, directory, md)
         except OSError as e:
             md, files = b"", None
             error = f"reading the published {METADATA_FILE} of {directory} failed: {describe(e)}"
         else:
             error = None
         ch.post_value(key + "/digest", hashlib.sha256(md).hexdigest().encode())
-        if two_hosts:
-            ch.post_value(key, pickle.dumps(files, protocol=pickle.HIGHEST_PROTOCOL))
+        ch.post_value(key, pickle.dumps(files, protocol=pickle.HIGHEST_PROTOCOL))
         return None, False, error
     digest = ch.read_value(key + "/digest", ch.timeout).decode()
     same, error = _stale_metadata_removed(st, directory, digest)
     other_host = ch.rank // ranks_per_host != ch.coordinator // ranks_per_host
     publish = None
-    if two_hosts and other_host and ch.rank % ranks_per_host == 0 and not same and error is None:
+    if other_host and ch.rank % ranks_per_host == 0 and not same and error is None:
         files = pickle.loads(ch.read_value(key, ch.timeout))  # noqa: S301 - this job's coordinator, private store
         if files is None or not all(PEER_FILE.match(n) for n in files):
             error = "the coordinator could not post its .metadata"
