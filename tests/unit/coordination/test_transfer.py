@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from solosave._src.coordination.transfer import Outgoing, RenamedInPlace, ring_pass
+from solosave._src.coordination.transfer import Outgoing, ring_pass
 from solosave._src.core.errors import ChannelError
-from solosave._src.storage.local import LocalDataFile, LocalStorage
+from solosave._src.storage.local import LocalDataFile, LocalStorage, RenamedDataFile
 from solosave._src.testing.local_channel import local_channels
 
 ST = LocalStorage()
@@ -37,7 +37,7 @@ def _run_ranks(fns, timeout=10.0):
 
 
 def _sink_into(directory):
-    return lambda name, size: RenamedInPlace(os.path.join(directory, name), lambda p: LocalDataFile(p, fsync=False))
+    return lambda name, size: RenamedDataFile(os.path.join(directory, name), lambda p: LocalDataFile(p, fsync=False), fsync=False)
 
 
 def test_files_cross_both_ways_whole_in_chunks(tmp_path):
@@ -99,7 +99,7 @@ def test_a_file_that_cannot_be_written_is_abandoned_and_the_ranks_stay_in_step(t
 
     class Failing:
         def __init__(self, *a):
-            self.inner = RenamedInPlace(str(tmp_path / "d" / "__0_0.distcp"), lambda p: LocalDataFile(p, False))
+            self.inner = RenamedDataFile(str(tmp_path / "d" / "__0_0.distcp"), lambda p: LocalDataFile(p, False), False)
 
         def write(self, data):
             raise OSError(28, "injected: disk full")

@@ -11,7 +11,7 @@ only collective-free data path solosave has). Per pass, on every rank, in order:
    ``i`` and receiving the other's chunk ``i``. A file that cannot be read to the end is padded
    with zeros (the receiver must get the bytes the header announced) and reported;
 3. a trailer (1 byte): whether every byte sent was the file's. A received file is committed
-   (``commit()`` of the sink: it appears whole, see :class:`RenamedInPlace` for local files)
+   (``commit()`` of the sink: it appears whole, see :func:`open_whole`)
    only after a good trailer and a clean write; otherwise it is abandoned (``close()``).
 
 Memory: one chunk out and one in, whatever the files' sizes. Every message is bounded by the
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Any
 from solosave._src.coordination.channel import Channel
 from solosave._src.core.errors import ChannelError, describe
 from solosave._src.storage.base import Storage
+from solosave._src.storage.local import RenamedDataFile
 
 #: Bytes per message.
 CHUNK = 8 << 20
@@ -126,29 +126,12 @@ def _move(channel: Channel, send_to: int, recv_from: int, out_chunks: Any, in_pl
     return write_error
 
 
-class RenamedInPlace:
-    """A sink for a local file: written under a temporary name beside ``path`` and renamed into
-    place by :meth:`commit` (a local data file is otherwise written in place, and an abandoned
-    one would be left half-written); :meth:`close` abandons it and removes the temporary file.
-    ``open_data(path)`` opens the temporary file (a ``DataFile``: ``write``, ``commit``, ``close``)."""
-
-    def __init__(self, path: str, open_data: Callable[[str], Any]) -> None:
-        self.path, self._tmp = path, f"{path}.incoming"
-        self._out = open_data(self._tmp)
-
-    def write(self, data: bytes) -> int:
-        return self._out.write(data)
-
-    def commit(self) -> None:
-        self._out.commit()
-        os.replace(self._tmp, self.path)
-
-    def close(self) -> None:
-        try:
-            self._out.close()
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._tmp)
+def open_whole(storage: Storage, path: str, open_data: Callable[[str], Any], fsync: bool = True) -> Any:
+    """A sink for a received file that appears only whole: ``open_data(path)`` (a ``DataFile``)
+    where its commit is atomic already (an object store), else a local file written under a
+    temporary name and renamed into place at its commit
+    (:class:`~solosave._src.storage.local.RenamedDataFile`)."""
+    return RenamedDataFile(path, open_data, fsync) if storage.local_files else open_data(path)
 
 
 def _sizes(outgoing: Sequence[Outgoing]) -> tuple[list[tuple[str, int]], str | None]:
@@ -254,4 +237,4 @@ def _finish(sinks: list[Any], incoming: list[tuple[str, int]], res: PassResult, 
             res.error = res.error or f"committing {name} failed: {describe(e)}"
 
 
-__all__ = ["CHUNK", "PEER_FILE", "Outgoing", "PassResult", "RenamedInPlace", "ring_pass"]
+__all__ = ["CHUNK", "PEER_FILE", "Outgoing", "PassResult", "open_whole", "ring_pass"]

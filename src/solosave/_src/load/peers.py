@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from solosave._src.coordination.channel import CollectiveCounter, DistChannel
 from solosave._src.coordination.rendezvous import new_gloo_group
-from solosave._src.coordination.transfer import PEER_FILE, Outgoing, RenamedInPlace, ring_pass
+from solosave._src.coordination.transfer import PEER_FILE, Outgoing, open_whole, ring_pass
 from solosave._src.core.errors import ChannelError, describe
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.load.tiers import complete_here
@@ -112,8 +112,7 @@ def repair_from_peers(directory: str, holders: Sequence[bool], ranks_per_host: i
             raise ValueError(f"{name} was sent to a host that holds the checkpoint")
         if name in (METADATA_FILE, INDEX_FILE):
             return _Kept(kept, name)
-        path = st.join(directory, name)
-        return RenamedInPlace(path, st.open_data) if st.local_files else st.open_data(path)
+        return open_whole(st, st.join(directory, name), st.open_data)
 
     nxt, prv = (r + L) % W, (r - L) % W
     for to, frm, rank_files, with_metadata in ((prv, nxt, prv, r % L == 0), (nxt, prv, r, False)):

@@ -36,7 +36,7 @@ from typing import Any
 
 from solosave._src.coordination.channel import Channel
 from solosave._src.coordination.protocol import Status, decode_status, encode_status, save_identity
-from solosave._src.coordination.transfer import PEER_FILE, Outgoing, RenamedInPlace, ring_pass
+from solosave._src.coordination.transfer import PEER_FILE, Outgoing, open_whole, ring_pass
 from solosave._src.core.errors import OutOfStep, describe
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.save.writer import FileWriter
@@ -62,8 +62,7 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
     def sink(name: str, size: int) -> Any:
         if not name.startswith(f"__{prv}_"):
             raise ValueError(f"rank {prv} sent {name!r}, not one of its data files")
-        path = st.join(directory, name)
-        return RenamedInPlace(path, writer.open) if st.local_files else writer.open(path)
+        return open_whole(st, st.join(directory, name), writer.open, writer.fsync)
 
     try:
         st.makedirs(directory)

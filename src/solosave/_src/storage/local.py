@@ -123,6 +123,34 @@ class LocalDataFile(io.BufferedWriter, DataFile):
         self.close()
 
 
+class RenamedDataFile:
+    """A local data file that appears whole or not at all: written under a temporary name beside
+    ``path`` (``open_data(tmp)``: a :class:`LocalDataFile`, or a writer's) and renamed into place
+    by :meth:`commit`, which then fsyncs the directory (unless ``fsync=False``), as
+    :class:`RenameCommit` does for whole buffers; :meth:`close` abandons it and removes the
+    temporary file. For files received in pieces (the peer copies of two tiers)."""
+
+    def __init__(self, path: str, open_data: Any, fsync: bool = True) -> None:
+        self.path, self.fsync = path, fsync
+        self._tmp = f"{path}.incoming"
+        self._out = open_data(self._tmp)
+
+    def write(self, data: Any) -> int:
+        return self._out.write(data)
+
+    def commit(self) -> None:
+        self._out.commit()
+        os.replace(self._tmp, self.path)
+        if self.fsync:
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+
+    def close(self) -> None:
+        try:
+            self._out.close()
+        finally:
+            unlink_if_present(self._tmp)
+
+
 class LocalStorage(Storage):
     """Local paths (see the module docstring): ``os`` calls, data files in place, commits by
     rename. Stateless; ``storage_options`` do not apply."""
@@ -229,5 +257,5 @@ class LocalStorage(Storage):
             pass
 
 
-__all__ = ["LocalDataFile", "LocalStorage", "RenameCommit", "check_local_path", "fsync_dir", "pread_all",
-           "unlink_if_present"]
+__all__ = ["LocalDataFile", "LocalStorage", "RenameCommit", "RenamedDataFile", "check_local_path", "fsync_dir",
+           "pread_all", "unlink_if_present"]
