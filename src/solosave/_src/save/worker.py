@@ -55,7 +55,7 @@ from solosave._src.coordination.protocol import (
 )
 from solosave._src.core.errors import WorkerDiedError
 from solosave._src.save.engine import Engine
-from solosave._src.save.zygote import ZYGOTE_ENV, ForkedWorker, ZygoteLost, fork_worker
+from solosave._src.save.zygote import ZYGOTE_ENV, ForkedWorker, ZygoteLost, fork_worker, pid_alive
 
 log = logging.getLogger("solosave")
 _POLL = 0.05
@@ -72,15 +72,7 @@ def tie_to_trainer(trainer_pid: int, interval: float = 0.2, forked: bool = False
         pass
 
     def trainer_alive() -> bool:
-        if not forked:
-            return os.getppid() == trainer_pid
-        try:
-            os.kill(trainer_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+        return pid_alive(trainer_pid) if forked else os.getppid() == trainer_pid
 
     if not trainer_alive():  # the trainer died before the lines above took effect
         os._exit(3)

@@ -154,7 +154,7 @@ def serve(address: str, owner_pid: int, worker_main: Any) -> None:
     os.replace(tmp, address)  # the address appears once it accepts
     listener.listen(64)
     clients: dict[int, socket.socket] = {}  # child pid -> its trainer's connection
-    while _alive(owner_pid):
+    while pid_alive(owner_pid):
         if select.select([listener], [], [], 0.05)[0]:  # short: an exit is reported within it
             try:
                 conn, _ = listener.accept()
@@ -244,7 +244,8 @@ def _reap(clients: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a process of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -255,4 +256,4 @@ def _alive(pid: int) -> bool:
 
 
 
-__all__ = ["ZYGOTE_ENV", "ForkedWorker", "ZygoteLost", "fork_worker", "serve", "start_zygote"]
+__all__ = ["ZYGOTE_ENV", "ForkedWorker", "ZygoteLost", "fork_worker", "pid_alive", "serve", "start_zygote"]

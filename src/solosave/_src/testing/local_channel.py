@@ -25,7 +25,6 @@ class _Hub:
         self._left: dict[int, int] = {}
         self.broken: str | None = None
         self.receipts: dict[int, str | None] = {}
-        self.values: dict[str, bytes] = {}
         #: Point-to-point messages not yet received, per (sender, receiver), in order.
         self._mail: dict[tuple[int, int], collections.deque[bytes]] = {}
 
@@ -152,24 +151,6 @@ class LocalChannel(Channel):
         self._record("recv", nbytes, t0)
         return data
 
-    def post_value(self, key: str, data: bytes) -> None:
-        with self._hub._cond:
-            self._hub.values[key] = bytes(data)
-            self._hub._cond.notify_all()
-
-    def read_value(self, key: str, timeout: float) -> bytes:
-        deadline = time.monotonic() + timeout
-        with self._hub._cond:
-            while key not in self._hub.values:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ChannelError(f"no value {key!r} within {timeout} s")
-                self._hub._cond.wait(min(left, 0.5))
-            return self._hub.values[key]
-
-    def drop_value(self, key: str) -> None:
-        with self._hub._cond:
-            self._hub.values.pop(key, None)
 
 
 def local_channels(world_size: int, timeout: float = 30.0) -> list[LocalChannel]:
