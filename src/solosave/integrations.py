@@ -44,10 +44,10 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from solosave._src.core.errors import ChannelError, OptionError, SolosaveError
+from solosave._src.core.errors import OptionError, SolosaveError
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.load.load import load
-from solosave._src.load.peers import peer_channel, repair_from_peers, repairable_step
+from solosave._src.load.peers import restore_from_peers
 from solosave._src.load.tiers import choose_restore_point, complete_here
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
@@ -205,33 +205,14 @@ def find_restore_point(save_dir: str | os.PathLike | None, durable_root: str | o
     if not durable_root:
         return find_latest_checkpoint(save_dir, storage_options)
     if ranks_per_host and save_dir:
-        _restore_fast_tier_from_peers(save_dir, ranks_per_host, process_group, storage_options)
+        storage = storage_for(save_dir, storage_options)
+        here = {step: storage.basename(path) for step, path in published_checkpoints(save_dir, storage_options)
+                if complete_here(path, storage_options)}
+        restore_from_peers(save_dir, here, ranks_per_host, process_group, storage_options)
     fast = dict(published_checkpoints(save_dir, storage_options)) if save_dir else {}
     durable = dict(published_checkpoints(durable_root, storage_options))
     candidates = [(step, fast.get(step), durable.get(step)) for step in set(fast) | set(durable)]
     return choose_restore_point(candidates, process_group, storage_options)
-
-
-def _restore_fast_tier_from_peers(save_dir: str | os.PathLike, ranks_per_host: int, process_group: Any,
-                                  storage_options: StorageOptions) -> None:
-    """Peer copies: bring the newest step that can be restored on the fast tier back to the
-    hosts that miss it (every rank; see :func:`find_restore_point`)."""
-    storage = storage_for(save_dir, storage_options)
-    here = {step: storage.basename(path) for step, path in published_checkpoints(save_dir, storage_options)
-            if complete_here(path, storage_options)}
-    channel = peer_channel(process_group, ranks_per_host)
-    try:
-        found = repairable_step(here, ranks_per_host, channel)
-        if found is None:
-            return
-        step, name, holders = found
-        error = repair_from_peers(storage.join(os.fspath(save_dir), name), holders, ranks_per_host, channel,
-                                  storage_options)
-    except ChannelError as e:  # the tier choice that follows fails too, or reads the durable tier
-        step, error = None, f"between ranks: {e}"
-    if error is not None:
-        log.warning("solosave: restoring %s on this host's fast tier from its peers failed: %s",
-                    "the newest step" if step is None else f"step {step}", error)
 
 
 def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, keep_every: int | None = None,

@@ -50,11 +50,11 @@ from solosave._src.index.reader import LoadIndex, wanted_of
 from solosave._src.load.peers import restore_from_peers
 from solosave._src.load.range_read import read_items_by_ranges
 from solosave._src.load.read_path import ReadStats, damaged_record, read_items
-from solosave._src.load.tiers import choose_copy
+from solosave._src.load.tiers import choose_copy, complete_here
 from solosave._src.load.whole_reads import WholeRead, keeps_default, planning_the_rest, reads_in_place, whole_reads
 from solosave._src.storage.base import Storage
 from solosave._src.storage.dcp_filesystem import DcpFileSystem
-from solosave._src.storage.registry import storage_for
+from solosave._src.storage.registry import backend_for, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -319,9 +319,11 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     """
     distributed = dist.is_available() and dist.is_initialized()
     if ranks_per_host and distributed:
-        error = restore_from_peers(path, ranks_per_host, process_group, storage_options)
-        if error is not None:
-            log.warning("solosave: restoring %s on this host's fast tier from its peers failed: %s", path, error)
+        backend = backend_for(path)
+        name = backend.basename(backend.normalize(path))
+        held = {0: name} if complete_here(path, storage_options) else {}
+        restore_from_peers(backend.dirname(backend.normalize(path)), held, ranks_per_host, process_group,
+                           storage_options)
     if durable_root is not None:
         path = choose_copy(path, durable_root, process_group, storage_options)
     _load(state_dict, path, process_group, planner, read_metadata_once, safe_globals, storage_options, use_index,

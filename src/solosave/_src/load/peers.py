@@ -6,8 +6,10 @@ lost them (a replaced node, a wiped ``/dev/shm``), its ranks get them back from 
 that hold them, over the network, before the restore chooses a tier; the durable tier is not
 read. Who calls what (every rank of the process group, alone otherwise: nothing to do):
 
-* :func:`repairable_step` (``integrations.find_restore_point(..., ranks_per_host=)``): every
-  rank lists the steps complete on its fast tier -> **one** ``all_gather_object`` of those
+* :func:`restore_from_peers` (``integrations.find_restore_point(..., ranks_per_host=)`` with the
+  steps under the save directory, ``solosave.load(..., ranks_per_host=)`` with the one
+  checkpoint) runs the two below. :func:`repairable_step`: every rank lists the steps complete
+  on its fast tier -> **one** ``all_gather_object`` of those
   lists (restore time only; never in a save) -> the newest step that every host either holds
   or can get back (both of its neighbour hosts hold it), the same on every rank.
 * :func:`repair_from_peers` for that step, when some host misses it: two
@@ -25,6 +27,7 @@ complete leaves the step incomplete on that host, and the durable copy is read.
 from __future__ import annotations
 
 import io
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,8 +39,9 @@ from solosave._src.coordination.rendezvous import new_gloo_group
 from solosave._src.coordination.transfer import PEER_FILE, Outgoing, open_whole, ring_pass
 from solosave._src.core.errors import ChannelError, describe
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
-from solosave._src.load.tiers import complete_here
 from solosave._src.storage.registry import storage_for
+
+log = logging.getLogger("solosave")
 
 
 def peer_channel(process_group: Any, ranks_per_host: int, timeout: float = 600.0) -> DistChannel:
@@ -170,20 +174,30 @@ def _publish(st: Any, directory: str, kept: Mapping[str, bytes]) -> str | None:
     return None
 
 
-def restore_from_peers(path: str | os.PathLike, ranks_per_host: int, process_group: Any = None,
-                       storage_options: Mapping[str, Any] | None = None) -> str | None:
-    """:func:`repair_from_peers` for one checkpoint directory (``solosave.load``): every rank
-    says whether it finds ``path`` complete (one ``all_gather_object``), then the hosts that
-    miss it get it back. Returns this rank's error, if any (a broken channel included: the tier
-    choice that follows then fails or reads the durable copy)."""
+def restore_from_peers(save_dir: str | os.PathLike, complete: Mapping[int, str], ranks_per_host: int,
+                       process_group: Any = None, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Every rank: bring the newest step under ``save_dir`` that every host holds or can get
+    back (``complete``: this rank's ``{step: name}`` complete on its fast tier) to the hosts
+    that miss it: :func:`repairable_step`, then :func:`repair_from_peers`. Never raises for a
+    repair that failed (logged, also an error between ranks): the tier choice that follows finds
+    the step incomplete there and reads the durable copy, or fails in its own collective."""
     if not (dist.is_available() and dist.is_initialized()):
-        return None
+        return
     channel = peer_channel(process_group, ranks_per_host)
+    step = None
     try:
-        holders = channel.all_gather_object(complete_here(path, storage_options))
-        return repair_from_peers(os.fspath(path), holders, ranks_per_host, channel, storage_options)
+        found = repairable_step(complete, ranks_per_host, channel)
+        if found is None:
+            return
+        step, name, holders = found
+        st = storage_for(save_dir, storage_options)
+        error = repair_from_peers(st.join(os.fspath(save_dir), name), holders, ranks_per_host, channel,
+                                  storage_options)
     except ChannelError as e:
-        return f"the restore from peers failed between ranks: {e}"
+        error = f"between ranks: {e}"
+    if error is not None:
+        log.warning("solosave: restoring %s on this host's fast tier from its peers failed: %s",
+                    "the newest step" if step is None else f"step {step}", error)
 
 
 __all__ = ["newest_restorable", "peer_channel", "repair_from_peers", "repairable_step", "restore_from_peers"]
