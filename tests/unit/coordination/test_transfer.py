@@ -36,6 +36,13 @@ def _run_ranks(fns, timeout=10.0):
     return out, chans
 
 
+def _file(path, data):
+    """An Outgoing for a new file at ``path`` holding ``data``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return Outgoing(path.name, ST, str(path))
+
+
 def _sink_into(directory):
     return lambda name, size: RenamedDataFile(os.path.join(directory, name), lambda p: LocalDataFile(p, fsync=False), fsync=False)
 
@@ -50,7 +57,7 @@ def test_files_cross_both_ways_whole_in_chunks(tmp_path):
     (src1 / "__1_0.distcp").write_bytes(b"x" * 7)
     out0 = [Outgoing("__0_0.distcp", ST, str(src0 / "__0_0.distcp")),
             Outgoing("__0_0.distcp.crc32", ST, str(src0 / "__0_0.distcp.crc32")),
-            Outgoing(".metadata", data=b"md" * 3000)]
+            _file(tmp_path / "md" / ".metadata", b"md" * 3000)]
     out1 = [Outgoing("__1_0.distcp", ST, str(src1 / "__1_0.distcp"))]
     res, chans = _run_ranks([lambda ch: ring_pass(ch, 1, 1, out0, _sink_into(dst0), chunk=1024),
                              lambda ch: ring_pass(ch, 0, 0, out1, _sink_into(dst1), chunk=1024)])
@@ -79,7 +86,7 @@ def test_a_file_that_cannot_be_read_is_padded_reported_and_never_committed(tmp_p
 
     def sender(ch):
         first = ring_pass(ch, 1, 1, bad, _sink_into(tmp_path / "e"), chunk=1024)
-        again = ring_pass(ch, 1, 1, [Outgoing("__0_1.distcp", data=b"ok")], _sink_into(tmp_path / "e"))
+        again = ring_pass(ch, 1, 1, [_file(tmp_path / "s2" / "__0_1.distcp", b"ok")], _sink_into(tmp_path / "e"))
         return first, again
 
     def receiver(ch):
@@ -110,7 +117,7 @@ def test_a_file_that_cannot_be_written_is_abandoned_and_the_ranks_stay_in_step(t
         def close(self):
             self.inner.close()
 
-    out = [Outgoing("__0_0.distcp", data=b"z" * 5000)]
+    out = [_file(tmp_path / "s" / "__0_0.distcp", b"z" * 5000)]
     res, _ = _run_ranks([lambda ch: (ring_pass(ch, 1, 1, out, None, chunk=1000),
                                      ring_pass(ch, 1, 1, [], None)),
                          lambda ch: (ring_pass(ch, 0, 0, [], Failing, chunk=1000),
@@ -122,12 +129,13 @@ def test_a_file_that_cannot_be_written_is_abandoned_and_the_ranks_stay_in_step(t
 
 
 def test_a_header_naming_a_path_breaks_the_channel(tmp_path):
-    evil = [Outgoing("../../etc/passwd", data=b"root")]
+    evil = [Outgoing("../../etc/passwd", ST, str(_file(tmp_path / "s" / "x", b"root").path))]
     res, _ = _run_ranks([lambda ch: ring_pass(ch, 1, 1, evil, None),
-                         lambda ch: ring_pass(ch, 0, 0, [], _sink_into(tmp_path))], timeout=2.0)
+                         lambda ch: ring_pass(ch, 0, 0, [], _sink_into(tmp_path / "d"))], timeout=2.0)
     assert isinstance(res[1], ChannelError) and "'../../etc/passwd'" in str(res[1])
     assert isinstance(res[0], ChannelError)  # the sender is not left waiting forever
-    assert os.listdir(tmp_path) == []
+    assert sorted(os.listdir(tmp_path)) == ["s"] and os.listdir(tmp_path / "s") == ["x"]  # nothing written
+    assert not (tmp_path.parent / "etc" / "passwd").exists()  # where the name pointed from tmp_path/d
 
 
 @pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "__12_3.distcp.crc32", ".solosave-index"])

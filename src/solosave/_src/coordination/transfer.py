@@ -46,13 +46,12 @@ PEER_FILE = re.compile(r"^(__\d+_\d+\.distcp(\.crc32)?|\.solosave-index|\.metada
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """A file to send: its name at the receiver and where its bytes are (``data``, or the file
-    ``path`` of ``storage``)."""
+    """A file to send: its name at the receiver, and the file ``path`` of ``storage`` that holds
+    its bytes."""
 
     name: str
-    storage: Storage | None = None
-    path: str | None = None
-    data: bytes | None = None
+    storage: Storage
+    path: str
 
 
 @dataclass(slots=True)
@@ -136,8 +135,7 @@ def open_whole(storage: Storage, path: str, open_data: Callable[[str], Any], fsy
 
 def _sizes(outgoing: Sequence[Outgoing]) -> tuple[list[tuple[str, int]], str | None]:
     try:
-        return [(o.name, len(o.data) if o.data is not None else o.storage.size(o.path))  # type: ignore[union-attr,arg-type]
-                for o in outgoing], None
+        return [(o.name, o.storage.size(o.path)) for o in outgoing], None
     except Exception as e:  # noqa: BLE001 - sent as the header's error: the receiver knows at once
         return [], describe(e)
 
@@ -174,9 +172,6 @@ class _ChunkReader:
 
     def _gen(self, outgoing: Sequence[Outgoing], files: list[tuple[str, int]]) -> Iterator[bytes]:
         for o, (_, size) in zip(outgoing, files):
-            if o.data is not None:
-                yield from (o.data[off:off + self.chunk] for off in range(0, size, self.chunk))
-                continue
             yield from self._read(o, size)
 
     def _read(self, o: Outgoing, size: int) -> Iterator[bytes]:
@@ -184,7 +179,7 @@ class _ChunkReader:
         filled up; a file that ends early or fails is padded with zeros and reported)."""
         done = 0
         try:
-            with o.storage.open_read(o.path) as f:  # type: ignore[union-attr,arg-type]
+            with o.storage.open_read(o.path) as f:
                 while done < size:
                     want = min(self.chunk, size - done)
                     parts, got = [], 0
