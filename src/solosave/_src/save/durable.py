@@ -210,8 +210,8 @@ class Copier:
         if self.broken is not None:
             return False, {self.channel.rank: self.broken}
         try:
-            failures, _ = copy_to_peer(self.channel, task.seq, task.source, task.files, self.writer,
-                                       self.ranks_per_host, self.storage_options, stop=lambda: self._closing)
+            failures = copy_to_peer(self.channel, task.seq, task.source, task.files, self.writer,
+                                    self.ranks_per_host, self.storage_options, stop=lambda: self._closing)
         except Exception as e:  # noqa: BLE001 - a channel error, or a bug that left the ranks out of step
             self.broken = (f"the durable channel failed during the peer copy of {task.source} ({describe(e)}): "
                            "another rank's worker died or did not answer in time, or this rank could not "

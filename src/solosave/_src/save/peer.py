@@ -45,11 +45,11 @@ from solosave._src.storage.registry import storage_for
 
 def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, ...], writer: FileWriter,
                  ranks_per_host: int, storage_options: Mapping[str, Any] | None = None,
-                 stop: Callable[[], bool] | None = None) -> tuple[dict[int, str], int]:
+                 stop: Callable[[], bool] | None = None) -> dict[int, str]:
     """Run the peer stage of save ``seq`` (published at ``directory``) on this rank; returns the
-    failures (per rank; the same on every rank except a host's own ``.metadata`` publication)
-    and the bytes this rank sent. Raises ``ChannelError`` / ``OutOfStep`` (the channel broke);
-    any other error of this rank is reported through the status word, in step with the others."""
+    failures (per rank; the same on every rank except a host's own ``.metadata`` publication).
+    Raises ``ChannelError`` / ``OutOfStep`` (the channel broke); any other error of this rank is
+    reported through the status word, in step with the others."""
     ch, L, W = channel, ranks_per_host, channel.world_size
     nxt, prv = (ch.rank + L) % W, (ch.rank - L) % W
     st = storage_for(directory, storage_options)
@@ -80,16 +80,15 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
         ch.drop_value(key + "/digest")
     if agreed != Status.OK:
         reports = ch.all_gather_object(error)
-        return {r: e for r, e in enumerate(reports) if e is not None}, res.sent_bytes
+        return {r: e for r, e in enumerate(reports) if e is not None}
     if publish is not None:
         try:
             for name in (INDEX_FILE, METADATA_FILE):
                 if name in publish:
                     st.commit(st.join(directory, name), publish[name], fsync=writer.fsync)
         except OSError as e:
-            return {ch.rank: f"publishing {METADATA_FILE} on this host's fast tier failed: {describe(e)}"}, \
-                res.sent_bytes
-    return {}, res.sent_bytes
+            return {ch.rank: f"publishing {METADATA_FILE} on this host's fast tier failed: {describe(e)}"}
+    return {}
 
 
 def _share_metadata(ch: Channel, st: Any, directory: str, key: str,
