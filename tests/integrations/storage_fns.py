@@ -211,9 +211,9 @@ def durable_on_s3(rank: int, world: int, bucket: str, fast: str) -> dict:
     for step in (1, 2):
         manager.save(step, state(rank, step))
     manager.finish()
+    dist.barrier()  # rank 0 writes the markers and prunes: the other rank looks once it has finished
     out = {"copies": [(d.step, d.result.ok, d.result.error) for d in manager.durable_done],
            "latest": read_latest_marker(durable), "fast_left": sorted(os.listdir(fast))}
-    dist.barrier()
     import fsspec
 
     fs = fsspec.filesystem("s3")
