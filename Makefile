@@ -33,13 +33,20 @@ $(TRAIN_DEPS): pyproject.toml requirements-train.txt
 	$(PIP) --no-deps -e .
 	touch $@
 
+# The extras go in with uv (pinned; pip installs it), which took 3 s here where pip took 40 s, most
+# of it pip's own CPU (docs/benchmarks.md, section 9). uv reads no pip configuration: where it
+# cannot reach the packages (an index that only pip is configured for), pip installs them instead.
+# torch stays as requirements-train.txt pinned it (the installed 2.13.0 satisfies every extra).
+# torchtitan (tests/integrations/test_titan.py) goes in without its declared dependencies: they add
+# ~60 packages (wandb, datasets, tensorboard, pandas, pyarrow...) that its checkpointer never
+# imports; the two it does import are pinned in requirements-dev.txt. So does megatron-core
+# (tests/integrations/test_megatron.py; see requirements-dev.txt).
+UV := $(BIN)/uv pip install -q --python $(BIN)/python
+NO_DEPS_EXTRAS := torchtitan==0.3.0 megatron-core==0.16.1
 $(DEV_DEPS): $(TRAIN_DEPS) requirements-dev.txt
-	$(PIP) -r requirements-dev.txt
-	# torchtitan (tests/integrations/test_titan.py) without its declared dependencies: they add ~60 packages
-	# (wandb, datasets, tensorboard, pandas, pyarrow...) that its checkpointer never imports; the
-	# two it does import are pinned in requirements-dev.txt. Adds about 5 s; torch stays as pinned.
-	$(PIP) --no-deps torchtitan==0.3.0
-	$(PIP) --no-deps megatron-core==0.16.1  # tests/integrations/test_megatron.py (see requirements-dev.txt)
+	$(PIP) uv==0.13.9
+	$(UV) -r requirements-dev.txt || $(PIP) -r requirements-dev.txt
+	$(UV) --no-deps $(NO_DEPS_EXTRAS) || $(PIP) --no-deps $(NO_DEPS_EXTRAS)
 	touch $@
 
 # The main job: 2 ranks train a small GPT for 40 steps, saving every 5 steps asynchronously;

@@ -21,14 +21,13 @@ def make_corpus(vocab: int, n_tokens: int = 1 << 17) -> Any:
     successors = torch.randint(0, vocab, (vocab, 4), generator=g)
     probs = torch.tensor([0.55, 0.25, 0.15, 0.05])
     choice = torch.multinomial(probs, n_tokens, replacement=True, generator=g)
-    out = torch.empty(n_tokens, dtype=torch.long)
     tok = 0
     succ = successors.tolist()
-    ch = choice.tolist()
-    for i in range(n_tokens):
-        tok = succ[tok][ch[i]]
-        out[i] = tok
-    return out
+    tokens = []
+    for c in choice.tolist():  # in Python lists: 0.27 s per rank when it wrote the tensor item by item
+        tok = succ[tok][c]
+        tokens.append(tok)
+    return torch.tensor(tokens, dtype=torch.long)
 
 
 def batch_at(corpus: Any, position: int, rank: int, batch: int, seq_len: int) -> tuple[Any, Any]:

@@ -275,27 +275,42 @@ class Progress:
     training: bool = False
 
 
-def run_rank(args: argparse.Namespace, body: Any = None) -> int:
+def run_rank(args: argparse.Namespace, body: Any = None, grace: float = 10.0) -> int:
     """One rank of the job (``body(args, progress)``, default: the job). A user-fixable error
     (bad prepared metadata, an existing checkpoint, a checkpoint of another model, a bad flag)
     prints one line and returns 2, without a traceback: before training, every rank has the same
     error and rank 0 prints it; once training, the rank that raised it prints it, naming itself
-    (another rank may not have it)."""
+    (another rank may not have it).
+
+    Before training, a rank other than 0 waits up to ``grace`` seconds before it exits: its exit
+    would make the launcher stop rank 0, perhaps before rank 0 met the error and said it. Rank 0's
+    exit makes the launcher stop it instead; should rank 0 not meet the error (one of this rank's
+    own), this rank says it after the grace period, naming itself."""
     progress = Progress()
     try:
         return (body or _run)(args, progress)
     except (SolosaveError, ValueError, FileNotFoundError) as e:
         rank = int(os.environ.get("RANK", "0"))
-        if rank == 0 or progress.training:
-            where = f" on rank {rank}" if progress.training else ""
-            line = "; ".join(part.strip() for part in str(e).splitlines() if part.strip())
-            print(f"solosave train: error{where}: {line}", file=sys.stderr, flush=True)
+        if rank != 0 and not progress.training:
+            _wait_to_be_stopped(grace)
+        where = f" on rank {rank}" if rank != 0 or progress.training else ""
+        line = "; ".join(part.strip() for part in str(e).splitlines() if part.strip())
+        print(f"solosave train: error{where}: {line}", file=sys.stderr, flush=True)
         if dist.is_initialized():  # leave it before exiting: a live gloo group at interpreter
             try:                   # exit aborted a rank once ("terminate called", exit -6)
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001,S110 - exiting with status 2 anyway
                 pass
         return 2
+
+
+def _wait_to_be_stopped(seconds: float) -> None:
+    """Sleep, ended by SIGTERM (the launcher's stop) even under ``--exit-signal-handler``."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        time.sleep(seconds)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace, progress: Progress) -> int:

@@ -8,18 +8,35 @@ Two ways to run it::
     torchrun --nnodes 2 --nproc-per-node 8 ... -m solosave.demo --save /ckpt ...   # any launcher
 
 Under a launcher (``LOCAL_RANK`` and ``WORLD_SIZE`` set) :func:`main` runs one rank
-(:func:`solosave.demo.job.run_rank`). Otherwise it checks the flags and launches itself through
-PyTorch's own launcher (``torch.distributed.run --standalone``, ``--nproc`` ranks), with the job's
-arguments after the module name, as torchrun passes them to any script.
+(:func:`solosave.demo.job.run_rank`). Otherwise it checks the flags and :func:`launch` runs
+``--nproc`` ranks on this host, each a fork of this process, as ``torchrun --standalone
+--nproc-per-node N`` would run them (the same environment, rendezvous and stopping rules).
+
+Why forks: this process imports torch, DCP and the job once, then forks; each rank begins with
+them imported instead of spending about 3 s of CPU importing them again as a fresh interpreter,
+which is what torchrun starts (a 2-rank ``solosave train`` of 2 steps here: 12.9 s of CPU and
+9.8 s of wall time through torchrun, 5.0 s and 5.1 s forked; docs/benchmarks.md, section 9).
+Forking is safe: nothing in this process has initialised CUDA (each rank initialises its own
+device), and the one thread it has when it forks, the rendezvous store's server, is used by the
+ranks only through their sockets. ``torchrun ... -m solosave.demo`` still starts fresh
+interpreters, for jobs across hosts.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
+import traceback
+from dataclasses import dataclass
 
 from .args import build_parser, check_args
+
+#: A stopped rank gets SIGTERM, then SIGKILL after this many seconds (torchrun's grace period).
+STOP_GRACE_S = 30.0
+#: The signals that stop the job: each is passed on to every rank (as torchrun does).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def under_launcher() -> bool:
@@ -28,8 +45,8 @@ def under_launcher() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if under_launcher():  # one rank, started by torchrun / torch.distributed.run
-        if argv[:1] == ["--"]:  # the separator launch() puts there, if a launcher passed it on
+    if under_launcher():  # one rank, started by torchrun / torch.distributed.run or launch()
+        if argv[:1] == ["--"]:  # a separator before the job's flags, should a launcher pass it on
             argv = argv[1:]
         args = build_parser().parse_args(argv)
         check_args(args)
@@ -42,28 +59,134 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
     except ValueError as e:
         parser.error(str(e))
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main as torchrun
-
     t0 = time.perf_counter()
-    # torchrun hands everything after the module name to each rank unchanged. "--" keeps its own
-    # parser from reading the job's flags while it classifies its arguments (`--nproc` would be an
-    # ambiguous abbreviation of its --nproc-per-node / --nproc_per_node). argparse drops that "--";
-    # a rank skips it should a launcher pass it on.
-    try:
-        torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "--module", "solosave.demo", "--", *argv])
-    except SystemExit as e:
-        return int(e.code or 0)
-    except SignalException as e:  # torchrun got SIGTERM/SIGINT and stopped the ranks
-        if args.exit_signal_handler:
-            print(f"stopped by signal {e.sigval.name}: the ranks saved and exited", file=sys.stderr)
+    outcome = launch(args.nproc, argv)
+    failed = sorted({code for code in outcome.exit_codes if code != 0})
+    if outcome.stop_signal is not None:
+        if not args.exit_signal_handler:
+            return 128 + outcome.stop_signal  # the ranks were stopped, as the signal asked
+        if not failed:
+            print(f"stopped by signal {signal.Signals(outcome.stop_signal).name}: the ranks saved and exited",
+                  file=sys.stderr)
             return 0
-        return 128 + int(e.sigval)
-    except Exception as e:  # noqa: BLE001 - torchrun raises ChildFailedError
-        codes = sorted({f.exitcode for f in getattr(e, "failures", {}).values()})
-        print(f"solosave train failed: a rank exited with code {codes or '?'} (its error is above)",
-              file=sys.stderr)
-        return 2 if 2 in codes else 1  # 2: a user error (other ranks may have been stopped)
+    if failed:  # (with --exit-signal-handler: a rank failed while it saved)
+        print(f"solosave train failed: a rank exited with code {failed} (its error is above)", file=sys.stderr)
+        return 2 if 2 in failed else 1  # 2: a user error (the other ranks may have been stopped)
     print(f"training finished in {time.perf_counter() - t0:.1f} s" +
           (f"; checkpoints in {args.save}" if args.save else ""))
     return 0
+
+
+@dataclass
+class Outcome:
+    """How the ranks ended: ``exit_codes[r]`` is rank r's exit status (``-N``: killed by signal
+    N); ``stop_signal`` is the signal that stopped the job, if one did."""
+
+    exit_codes: list[int]
+    stop_signal: int | None = None
+
+
+def launch(nproc: int, argv: list[str]) -> Outcome:
+    """Run ``nproc`` ranks of the job with ``argv`` on this host; returns when every rank exited.
+
+    1. This process imports the job, then hosts the rendezvous store (a ``TCPStore`` on a free
+       port of 127.0.0.1; the ranks connect to it as to torchrun's agent store).
+    2. It forks the ranks, each with torchrun's environment (``RANK``, ``LOCAL_RANK``,
+       ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, and
+       ``OMP_NUM_THREADS=1`` unless set), and waits for them.
+    3. When a rank fails (exits non-zero or is killed), it stops the others; a stop signal
+       (SIGTERM, SIGINT, SIGHUP, SIGQUIT) is passed on to every rank. Stopped ranks get SIGTERM,
+       then SIGKILL after ``STOP_GRACE_S`` (they may be saving: ``--exit-signal-handler``).
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from . import job  # noqa: F401 - imported once, here: every rank is a fork of this process
+
+    store = TCPStore(host_name="127.0.0.1", port=0, world_size=None, is_master=True,
+                     timeout=timedelta(seconds=300), wait_for_workers=False)
+    base_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": "0"}
+    one_thread = "OMP_NUM_THREADS" not in os.environ and nproc > 1  # as torchrun: ranks share the cores
+    if one_thread:
+        base_env["OMP_NUM_THREADS"] = "1"
+    received: list[int] = []
+    pids: dict[int, int] = {}  # pid -> rank, while it runs
+
+    def on_stop_signal(signum: int, frame: object) -> None:
+        received.append(signum)
+        for pid in pids:
+            _signal(pid, signum)
+
+    previous = {sig: signal.signal(sig, on_stop_signal) for sig in STOP_SIGNALS}
+    sys.stdout.flush()  # a fork copies what is buffered: it would be printed once per rank
+    sys.stderr.flush()
+    try:
+        for rank in range(nproc):
+            pid = os.fork()
+            if pid == 0:  # the rank: it never returns from here
+                _run_forked_rank(argv, {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, one_thread)
+            pids[pid] = rank
+        codes = _wait(pids, received)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        del store
+    return Outcome([codes[r] for r in range(nproc)], received[0] if received else None)
+
+
+def _wait(pids: dict[int, int], received: list[int]) -> dict[int, int]:
+    """Reap the ranks; after the first failure or stop signal, stop the rest (see :func:`launch`).
+    Returns rank -> exit status."""
+    codes: dict[int, int] = {}
+    kill_at: float | None = None
+    while pids:
+        for pid in list(pids):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pids.pop(pid)] = os.waitstatus_to_exitcode(status)
+        failed = any(code != 0 for code in codes.values())
+        if kill_at is None and (failed or received):
+            kill_at = time.monotonic() + STOP_GRACE_S
+            if failed:
+                for pid in pids:
+                    _signal(pid, signal.SIGTERM)
+        if kill_at is not None and time.monotonic() > kill_at:
+            for pid in pids:
+                _signal(pid, signal.SIGKILL)
+        if pids:
+            time.sleep(0.05)
+    return codes
+
+
+def _run_forked_rank(argv: list[str], env: dict[str, str], one_thread: bool) -> None:
+    """The body of a forked rank: the job with ``env`` set; exits with its status (1 with the
+    traceback printed, as a fresh interpreter would, if it raised)."""
+    code = 1
+    try:
+        # The fork copied the launcher's handlers; a rank starts with an interpreter's own.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        os.environ.update(env)
+        if one_thread:  # torch read OMP_NUM_THREADS when the launcher imported it
+            import torch
+
+            torch.set_num_threads(1)
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - printed, as a fresh interpreter prints it
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # exited; reaped on the next round
+        pass
