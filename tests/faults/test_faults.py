@@ -271,9 +271,14 @@ def test_back_to_back_saves(tmp_path, case_log):
 def test_close_while_a_save_is_in_flight(tmp_path, case_log):
     t0 = time.monotonic()
     outs = run_ranks(F.close_in_flight, 2, str(tmp_path), TIMEOUT, timeout=140)
-    for o in outs:
+    for rank, o in enumerate(outs):
         assert o["a"]["type"] is None  # close() let the save finish
-        assert o["b"]["type"] == "CheckpointError" and "abandoned by close()" in o["b"]["msg"], o["b"]
+        assert o["b"]["type"] == "CheckpointError", o["b"]
+        # Rank 1's write is stuck: its close abandons the save. Rank 0's worker waits for rank 1
+        # in the agreement; it either is stopped by its own close too, or first sees rank 1's
+        # worker (stopped by rank 1's close) go away (which the two ranks' timing decides).
+        assert "abandoned by close()" in o["b"]["msg"] or (
+            rank == 0 and "another rank's process or worker died" in o["b"]["msg"]), o["b"]
         assert o["b_close_s"] < 2 * 2 + 5 + 3 + 2, o["b_close_s"]  # + rank 0 waiting for rank 1 to close (bounded)
         assert not o["b_worker_alive"] and o["b_segments"] == []
         assert o["save_after_close"].startswith("ValueError") and "closed" in o["save_after_close"]
