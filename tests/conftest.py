@@ -36,11 +36,11 @@ def worker_zygote(tmp_path_factory):
     fresh-interpreter start stays covered: ``run_ranks(..., fresh=True)``, the multi-host
     tests, ``test_zygote.py``, and `make train` and the wheel smoke test in CI.
     ``SOLOSAVE_TEST_ZYGOTE=0`` turns it off."""
-    from solosave._src.save.zygote import ZYGOTE_ENV, start_zygote
-
-    if os.environ.get("SOLOSAVE_TEST_ZYGOTE", "1") == "0":
+    if os.environ.get("SOLOSAVE_TEST_ZYGOTE", "1") == "0":  # before the import, which imports torch
         yield None
         return
+    from solosave._src.save.zygote import ZYGOTE_ENV, start_zygote
+
     address = str(tmp_path_factory.mktemp("zygote") / "z.sock")
     proc = start_zygote(address)
     os.environ[ZYGOTE_ENV] = address

@@ -37,6 +37,7 @@ def test_rows_of_every_worker_reach_the_report(tmp_path, workers):
     out = tmp_path / "rows.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env["SOLOSAVE_RELIABILITY_OUT"] = str(out)
+    env["SOLOSAVE_TEST_ZYGOTE"] = "0"  # these tests start no worker: no zygote per pytest process
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers), "test_cases.py"]
     if not workers:
         cmd[cmd.index("-n"):cmd.index("-n") + 2] = []
@@ -64,6 +65,7 @@ def test_xdist_workers_run_torch_with_one_thread(tmp_path):
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     (tmp_path / "test_threads.py").write_text(THREADS)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != "OMP_NUM_THREADS"}
+    env["SOLOSAVE_TEST_ZYGOTE"] = "0"  # it starts no worker: no zygote per pytest process
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1", "test_threads.py"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
