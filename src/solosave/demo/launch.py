@@ -14,8 +14,9 @@ Under a launcher (``LOCAL_RANK`` and ``WORLD_SIZE`` set) :func:`main` runs one r
 
 Why forks: this process imports torch, DCP and the job once, then forks; each rank begins with
 them imported instead of spending about 3 s of CPU importing them again as a fresh interpreter,
-which is what torchrun starts (a 2-rank ``solosave train`` of 2 steps here: 12.9 s of CPU and
-9.8 s of wall time through torchrun, 5.0 s and 5.1 s forked; docs/benchmarks.md, section 9).
+which is what torchrun starts (the same 2-rank, 2-step job here: 11.0-11.4 s of CPU and
+7.1-7.5 s of wall time under torchrun, 5.3-5.4 s and 4.7-5.2 s forked; docs/benchmarks.md,
+section 9).
 Forking is safe: nothing in this process has initialised CUDA (each rank initialises its own
 device), and the one thread it has when it forks, the rendezvous store's server, is used by the
 ranks only through their sockets. ``torchrun ... -m solosave.demo`` still starts fresh
