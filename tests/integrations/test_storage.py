@@ -219,7 +219,7 @@ def test_cli_inspect_verify_prepare_on_urls(s3, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_train_saves_to_and_resumes_from_a_url(s3):
-    """``solosave train --save s3://... --load s3://...`` (2 ranks under torch.distributed.run):
+    """``solosave train --save s3://... --load s3://...`` (2 ranks):
     create-then-reuse saves, ``latest``, keep-last, then a resume from the newest published one."""
     import fsspec
 

@@ -1,4 +1,5 @@
-"""End to end: `solosave train` at 2 ranks under torch.distributed.run - create-then-reuse saves,
+"""End to end: `solosave train` at 2 ranks (forked by its launcher; one test under
+torch.distributed.run) - create-then-reuse saves,
 resume bit for bit (ignoring a partial checkpoint), `--ckpt-metadata auto`, FSDP2 shards, and the
 CLI subcommands on the checkpoints it produced."""
 
@@ -284,7 +285,9 @@ def test_exit_signal_handler_saves_and_exits_cleanly(tmp_path):
         deadline = time.monotonic() + 120
         while not (log.exists() and len(records(log, "step")) >= 3) and time.monotonic() < deadline:
             time.sleep(0.2)
-        os.killpg(p.pid, signal.SIGTERM)  # a scheduler's preemption: the whole job
+        # a scheduler's preemption: the launcher's process group, which the ranks are not in
+        # (each has a session of its own): the launcher passes the signal on
+        os.killpg(p.pid, signal.SIGTERM)
         out, _ = p.communicate(timeout=120)
     finally:
         if p.poll() is None:

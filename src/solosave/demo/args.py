@@ -2,7 +2,7 @@
 (:func:`solosave.integrations.add_checkpoint_args`, named as Megatron-LM names them).
 
 The same parser serves the launcher (which checks the flags before starting any rank) and each
-rank (which receives the same argv from torchrun)."""
+rank (which receives the same argv, from ``solosave train`` or from torchrun)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="solosave train",
         description="Train a small GPT on N local CPU ranks (gloo) with asynchronous solosave "
-                    "checkpoints. Runs under torchrun too: `torchrun ... -m solosave.demo ...`.")
+                    "checkpoints. Runs under torchrun too: `torchrun ... -m solosave.demo -- ...`.")
     g = p.add_argument_group("run")
     g.add_argument("--nproc", type=int, default=2,
                    help="local ranks to launch (default 2; ignored under torchrun)")

@@ -1,4 +1,5 @@
-"""One rank of the demo job: a process started by torchrun / ``torch.distributed.run``.
+"""One rank of the demo job: a process forked by ``solosave train`` (``demo/launch.py``) or
+started by torchrun / ``torch.distributed.run``.
 
 Each rank, in order:
 
@@ -24,6 +25,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -305,12 +307,16 @@ def run_rank(args: argparse.Namespace, body: Any = None, grace: float = 10.0) ->
 
 
 def _wait_to_be_stopped(seconds: float) -> None:
-    """Sleep, ended by SIGTERM (the launcher's stop) even under ``--exit-signal-handler``."""
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """Sleep, ended by SIGTERM or SIGINT (the launcher's stop) even under ``--exit-signal-handler``."""
+    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's
+        time.sleep(seconds)
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         time.sleep(seconds)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _run(args: argparse.Namespace, progress: Progress) -> int:
