@@ -27,7 +27,6 @@ starts fresh interpreters, for jobs across hosts.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -41,7 +40,6 @@ from .args import build_parser, check_args
 STOP_GRACE_S = 30.0
 #: The signals that stop the job: each is passed on to every rank (as torchrun does).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-_PR_SET_PDEATHSIG = 1
 
 
 def under_launcher() -> bool:
@@ -146,12 +144,9 @@ def launch(nproc: int, argv: list[str], stop_grace: float = STOP_GRACE_S) -> Out
         try:
             for rank in range(nproc):
                 pid = os.fork()
-                if pid == 0:  # the rank: it never returns from here
-                    try:
-                        _run_forked_rank(argv, {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                                "ROLE_RANK": str(rank)}, one_thread, launcher)
-                    finally:
-                        os._exit(1)
+                if pid == 0:  # the rank: it never returns from here (os._exit)
+                    _run_forked_rank(argv, {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                            "ROLE_RANK": str(rank)}, one_thread, launcher)
                 pids[pid] = rank
         except BaseException:  # a fork failed: the ranks already started go too
             for pid in pids:
@@ -197,13 +192,19 @@ def _run_forked_rank(argv: list[str], env: dict[str, str], one_thread: bool, lau
     """The body of a forked rank: the job with ``env`` set; exits with its status (1 with the
     traceback printed, as a fresh interpreter would, if it raised)."""
     code = 1
-    try:
+    try:  # everything in it: a rank must reach os._exit below, never the launcher's code
+        from solosave._src.save.worker import signal_on_parent_death
+
         # The fork copied the launcher's handlers; a rank starts with an interpreter's own.
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         os.setsid()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-        _end_with(launcher)
+        # SIGTERM when the launcher dies, so that one killed outright leaves no rank behind (a
+        # rank under --exit-signal-handler saves first); it may have died before this line
+        signal_on_parent_death(signal.SIGTERM)
+        if os.getppid() != launcher:
+            return
         os.environ.update(env)
         if one_thread:  # torch read OMP_NUM_THREADS when the launcher imported it
             import torch
@@ -224,17 +225,6 @@ def _run_forked_rank(argv: list[str], env: dict[str, str], one_thread: bool, lau
             except BaseException:  # noqa: BLE001,S110 - a closed pipe: exit all the same
                 pass
         os._exit(code)
-
-
-def _end_with(launcher: int) -> None:
-    """SIGTERM this rank when the launcher dies (``PR_SET_PDEATHSIG``, Linux), so that a launcher
-    killed outright leaves no rank behind; a rank under ``--exit-signal-handler`` saves first."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux
-        return
-    if os.getppid() != launcher:  # it died before the line above took effect
-        os._exit(1)
 
 
 def _signal(pid: int, signum: int) -> None:

@@ -62,14 +62,21 @@ _POLL = 0.05
 _PR_SET_PDEATHSIG = 1
 
 
+def signal_on_parent_death(signum: int) -> None:
+    """Have the kernel send ``signum`` to this process when its parent exits
+    (``PR_SET_PDEATHSIG``; Linux only, elsewhere nothing). Call it, then check the parent is
+    still the one expected: it may have died before."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the callers' own checks alone
+        pass
+
+
 def tie_to_trainer(trainer_pid: int, interval: float = 0.2, forked: bool = False) -> None:
     """End this process when the trainer ``trainer_pid`` is gone (see the module docstring).
     ``forked``: a zygote's child (``save/zygote.py``), whose parent is the zygote: it ends with
     the zygote (whose connection told the trainer it is gone) and watches the trainer's pid."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the watchdog alone
-        pass
+    signal_on_parent_death(signal.SIGKILL)  # elsewhere than Linux: the watchdog alone
 
     def trainer_alive() -> bool:
         return pid_alive(trainer_pid) if forked else os.getppid() == trainer_pid
