@@ -16,7 +16,7 @@ import time
 import torch
 
 from solosave._src.core.checksum import IMPLEMENTATION, crc32
-from solosave._src.save.writer import FileWriter, Record
+from solosave._src.write.writer import FileWriter, Record
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1
   scattered plans, unpickling W write-result lists (``WriteResult`` with ``_StorageInfo``),
   ``FileSystemWriter.finish`` (builds ``storage_data``, pickles and writes ``.metadata`` with
   fsync), and pickling the ``Metadata`` that ``_DistWrapper.all_reduce`` broadcasts to every rank.
-* solosave, collective path (solosave's own functions, ``solosave._src.save.collective``; no stand-ins):
+* solosave, collective path (solosave's own functions, ``solosave._src.engine.collective``; no stand-ins):
   each rank's gather payload (``plan_request`` of a real ``SaveJob`` of a create save: columnar
   specs, staged positions only when not every held item is staged, flatten mapping), pickled as
   the channel pickles it; the coordinator's unpickling, ``decide`` (lock-step check and
@@ -170,7 +170,7 @@ def _dumps(obj: Any) -> bytes:
 def solosave_plan_payload(job: Any) -> bytes:
     """One rank's planning gather payload: ``_collective.plan_request`` (no pre-written
     results, no drifts), pickled as the channel pickles it."""
-    from solosave._src.save.collective import plan_request
+    from solosave._src.engine.collective import plan_request
 
     return _dumps(plan_request(job, None, []))
 
@@ -210,8 +210,8 @@ def coordinator_io(workers: int, prepared_path: str | None = None) -> tuple[Any,
     """The coordinator's engine settings and its real ``RankIO`` (rank 0), what ``finish`` and
     ``write_assigned`` take (neither calls a collective)."""
     from solosave._src.coordination.protocol import EngineSettings
-    from solosave._src.save.rank_io import RankIO
-    from solosave._src.save.writer import FileWriter
+    from solosave._src.engine.rank_io import RankIO
+    from solosave._src.write.writer import FileWriter
 
     return EngineSettings(workers=workers, prepared_path=prepared_path), RankIO(0, FileWriter(fsync=True))
 
@@ -220,8 +220,8 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     """The collective path's coordinator work and the reuse path's, at world size ``world``."""
     from solosave._src.coordination.packing import written_columns
     from solosave._src.coordination.protocol import Verdict, WriteReport
+    from solosave._src.engine.collective import decide, finish
     from solosave._src.plan.chunks import validate_chunks
-    from solosave._src.save.collective import decide, finish
 
     out: Json = {"world": world}
     ckpt = os.path.join(directory, f"solosave_w{world}")
@@ -331,7 +331,7 @@ def measure_fallback(out: Json, structure: list, world: int, workers: int, ckpt:
     refreshes the prepared file). ``fallback_save_s`` is its total."""
     from solosave._src.coordination.packing import written_columns
     from solosave._src.coordination.protocol import Verdict
-    from solosave._src.save.collective import decide, finish, plan_request, write_assigned
+    from solosave._src.engine.collective import decide, finish, plan_request, write_assigned
 
     payloads, reports, coord_job = [], [], None
     for r in range(world):
@@ -412,7 +412,7 @@ def measure_startup(out: Json, world: int, workers: int, prepared_path: str, mad
     from solosave._src.plan.layout import check_layout
     from solosave._src.plan.local_plan import LocalPlan
     from solosave._src.prepared.prepared import load_prepared_metadata
-    from solosave._src.save.publish import publish_metadata
+    from solosave._src.write.publish import publish_metadata
 
     per_rank, reads, sent, plans = [], [], [], []
     for r, (held, results) in samples.items():

@@ -29,7 +29,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # before any test module imports torc
 
 @pytest.fixture(scope="session", autouse=True)
 def worker_zygote(tmp_path_factory):
-    """One worker zygote per pytest process (``save/zygote.py``): the suite's checkpointers get
+    """One worker zygote per pytest process (``worker/zygote.py``): the suite's checkpointers get
     their workers as forks of it instead of fresh interpreters, each of which imported torch
     and DCP again (about 3 s of CPU each, most of the suite's CPU time). Set before the first
     rank starts, so that the ranks, and the `solosave train` jobs tests start, inherit it. The
@@ -39,7 +39,7 @@ def worker_zygote(tmp_path_factory):
     if os.environ.get("SOLOSAVE_TEST_ZYGOTE", "1") == "0":  # before the import, which imports torch
         yield None
         return
-    from solosave._src.save.zygote import ZYGOTE_ENV, start_zygote
+    from solosave._src.worker.zygote import ZYGOTE_ENV, start_zygote
 
     address = str(tmp_path_factory.mktemp("zygote") / "z.sock")
     proc = start_zygote(address)

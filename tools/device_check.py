@@ -117,7 +117,7 @@ def _delayed_side_runtime() -> Any:
     """The real runtime, except that each side stream first sleeps (the copies start late)."""
     import torch
 
-    from solosave._src.save.device import CudaRuntime
+    from solosave._src.staging.device import CudaRuntime
 
     class DelayedSide(CudaRuntime):
         @contextlib.contextmanager
@@ -130,7 +130,7 @@ def _delayed_side_runtime() -> Any:
 
 
 def _staged(stager: Any, staged: Any) -> dict:
-    from solosave._src.save.buffer import BufferReader
+    from solosave._src.staging.buffer import BufferReader
 
     reader = BufferReader()
     try:
@@ -157,8 +157,8 @@ def sec_environment(out: dict) -> str:
 def sec_stream_ordering(out: dict) -> str:
     torch = _cuda()
     from solosave._src.plan.local_plan import plan_local
-    from solosave._src.save.device import CudaRuntime
-    from solosave._src.save.staging import Stager
+    from solosave._src.staging.device import CudaRuntime
+    from solosave._src.staging.staging import Stager
 
     x = torch.zeros(16 * MIB, device="cuda")
     bad = []
@@ -191,7 +191,7 @@ def sec_stream_ordering(out: dict) -> str:
 def sec_pinning(out: dict) -> str:
     torch = _cuda()
     from solosave._src.plan.local_plan import plan_local
-    from solosave._src.save.staging import Stager
+    from solosave._src.staging.staging import Stager
 
     sd = {f"t{i:02d}": torch.randn(16 * MIB, device="cuda") for i in range(16)}  # 1 GiB
     total = sum(t.numel() * t.element_size() for t in sd.values())
@@ -330,7 +330,7 @@ def sec_dtype_matrix(out: dict, root: str) -> str:
 def sec_double_registration(out: dict) -> str:
     torch = _cuda()
     from solosave._src.plan.local_plan import plan_local
-    from solosave._src.save.staging import Stager
+    from solosave._src.staging.staging import Stager
 
     plan = plan_local({"x": torch.ones(MIB, device="cuda")})
     stager = Stager()

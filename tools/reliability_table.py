@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "reliability.md")
 START, END = "<!-- reliability-table:start -->", "<!-- reliability-table:end -->"
 SUITES = ["tests/faults/test_faults.py", "tests/faults/test_faults_input.py", "tests/faults/test_faults_lifecycle.py",
-          "tests/multiproc/test_load.py", "tests/unit/save/test_write.py", "tests/unit/save/test_engine.py",
+          "tests/multiproc/test_load.py", "tests/unit/write/test_writer.py", "tests/unit/engine/test_engine.py",
           "tests/multiproc/test_multihost.py", "tests/integrations/test_verify.py",
           "tests/multiproc/test_checkpointer.py", "tests/unit/index/test_index.py",
           "tests/multiproc/test_dcp_compat.py",

@@ -37,9 +37,9 @@ from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.dcp_saver import DcpSaver, async_save, default_saver, save
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.result import DurableCopy, DurableResult, PhaseTimings, SaveResult
-from solosave._src.save.writer import FileWriter
 from solosave._src.tools.export import ExportReport, export
 from solosave._src.tools.verify import VerifyReport, verify_checkpoint
+from solosave._src.write.writer import FileWriter
 
 __version__ = "0.1.0"
 

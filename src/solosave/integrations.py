@@ -47,13 +47,13 @@ from typing import Any
 from solosave._src.core.errors import OptionError, SolosaveError
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.load.load import load
-from solosave._src.load.peers import restore_from_peers
-from solosave._src.load.tiers import choose_restore_point, complete_here
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions, add_option_flags, option, options_from_args
 from solosave._src.save.result import DurableResult
 from solosave._src.storage.registry import backend_for, storage_for
+from solosave._src.tiers.choice import choose_restore_point, complete_here
+from solosave._src.tiers.peer_repair import restore_from_peers
 from solosave._src.tools.framework import AUTO, PublishedSave, Publisher
 from solosave._src.tools.retention import Pruner, remove_checkpoint
 
@@ -194,13 +194,13 @@ def find_restore_point(save_dir: str | os.PathLike | None, durable_root: str | o
     on either tier, from the fast tier (``save_dir``) when every rank finds it complete there,
     else from ``durable_root``; every rank gets the same answer. Every rank of
     ``process_group`` calls it (one 8-byte ``all_reduce`` per step examined, normally one;
-    :mod:`solosave._src.load.tiers`). Without ``durable_root``: :func:`find_latest_checkpoint`
+    :mod:`solosave._src.tiers.choice`). Without ``durable_root``: :func:`find_latest_checkpoint`
     (no collective).
 
     ``ranks_per_host`` (checkpoints saved with ``peer_copy``; the checkpointer's
     ``peer_ranks_per_host``): first, the hosts whose fast tier misses the newest step that
     every host holds or can get back get its files from their neighbour hosts
-    (:mod:`solosave._src.load.peers`: one ``all_gather_object`` of the steps each rank holds,
+    (:mod:`solosave._src.tiers.peer_repair`: one ``all_gather_object`` of the steps each rank holds,
     then the transfers, only when a host misses it)."""
     if not durable_root:
         return find_latest_checkpoint(save_dir, storage_options)

@@ -62,10 +62,10 @@ from solosave._src.core.errors import SolosaveError
 from solosave._src.load.load import load as solosave_load
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions
-from solosave._src.save.writer import FileWriter
 from solosave._src.storage.registry import backend_for
 from solosave._src.tools.framework import PublishedSave, Publisher, options_in_root
 from solosave._src.tools.retention import remove_checkpoint as remove_dcp_checkpoint
+from solosave._src.write.writer import FileWriter
 
 try:
     from lightning.fabric.utilities.load import _METADATA_FILENAME as META_FILE

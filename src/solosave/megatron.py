@@ -70,7 +70,7 @@ from solosave._src.plan.local_plan import WholeValue
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions, add_option_flags, options_from_args
 from solosave._src.save.result import SaveResult
-from solosave._src.save.writer import FileWriter
+from solosave._src.write.writer import FileWriter
 
 try:
     from megatron.core.dist_checkpointing.dict_utils import nested_values

@@ -166,7 +166,7 @@ def _gate_copies():
     event is set (test-only patch of the staging thread's body)."""
     import threading
 
-    from solosave._src.save import staging as _stage
+    from solosave._src.staging import staging as _stage
 
     gate, real = threading.Event(), _stage._copy_pieces
 
@@ -207,7 +207,7 @@ def change_before_overlapped_copy(rank: int, ws: int, root: str, how: str) -> di
     """Stager level: a saved tensor is resized larger, has its storage freed or replaced, or is
     dropped, after ``stage()`` and before the (held back) overlapped copy runs."""
     from solosave._src.plan.local_plan import plan_local
-    from solosave._src.save.staging import Stager
+    from solosave._src.staging.staging import Stager
 
     sd = {"big": torch.arange(float(1 << 22)), "small": torch.ones(8)}
     plan = plan_local(sd)

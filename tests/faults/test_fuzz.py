@@ -45,7 +45,7 @@ from solosave._src.formats.record_reader import RecordCache, TensorLayout, parse
 from solosave._src.index.reader import LoadIndex, wanted_of
 from solosave._src.load.load import parse_metadata
 from solosave._src.prepared.prepared import load_prepared_metadata
-from solosave._src.save.writer import FileWriter
+from solosave._src.write.writer import FileWriter
 from tests import crafted
 from tests.support import dcp_save_local, equal, zeros_like
 from tests.unit.save.test_engine import Ranks

@@ -10,7 +10,7 @@ import torch
 import solosave
 from solosave._src.formats.checksum_sidecar import sidecar_limit
 from solosave._src.formats.dcp import checksum_path
-from solosave._src.save.writer import FileWriter, Record
+from solosave._src.write.writer import FileWriter, Record
 from tests.multiproc import rank_fns
 from tests.support import dcp_save_local, run_ranks
 

@@ -335,7 +335,7 @@ def overlap_staging(rank, ws, root):
     is done (rank 1, the copy held back by a gate) fails that save on every rank; the next works."""
     import threading
 
-    from solosave._src.save import staging as _stage
+    from solosave._src.staging import staging as _stage
 
     _fresh(root)
     w = f"w{rank}"  # held by one rank: plain tensors held by several are replicas
@@ -445,7 +445,7 @@ def dtensor_foreach_step_during_overlapped_staging(rank, ws, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from solosave._src.save import staging as _stage
+    from solosave._src.staging import staging as _stage
 
     _fresh(root)
     mesh = init_device_mesh("cpu", (ws,))

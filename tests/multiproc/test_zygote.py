@@ -1,4 +1,4 @@
-"""Workers forked by a zygote (save/zygote.py) against fresh interpreters: both save, report a
+"""Workers forked by a zygote (worker/zygote.py) against fresh interpreters: both save, report a
 killed worker's exit code alike, and end with their trainer."""
 
 import os
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from solosave._src.save.worker import _forked
-from solosave._src.save.zygote import ZYGOTE_ENV
+from solosave._src.worker.host import _forked
+from solosave._src.worker.zygote import ZYGOTE_ENV
 from tests.multiproc import zygote_fns
 from tests.support import run_ranks, run_ranks_tolerant, wait_until
 

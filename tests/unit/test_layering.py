@@ -25,9 +25,10 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "solosave"
 #: Each folder's level, lowest first. Two folders of one level may not import each other.
 LEVELS = {
     "core": 0, "formats": 1, "storage": 2, "coordination": 3, "plan": 4, "index": 5, "prepared": 6,
-    "save": 7, "load": 7, "tools": 8, "testing": 9,
+    "staging": 7, "write": 7, "tiers": 8, "engine": 9, "load": 9, "worker": 10, "save": 11, "tools": 12,
+    "testing": 13,
 }
-PUBLIC = 10  # solosave/*.py and solosave/demo: the public modules and the demo, above _src
+PUBLIC = 14  # solosave/*.py and solosave/demo: the public modules and the demo, above _src
 MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 80
 
@@ -177,11 +178,15 @@ def _plant(path: pathlib.Path, line: str) -> None:
 
 
 @pytest.mark.parametrize(("module", "line", "expected"), [
-    ("core/errors.py", "from solosave._src.save.engine import Engine", "save is above core"),
+    ("core/errors.py", "from solosave._src.engine.engine import Engine", "engine is above core"),
+    ("tiers/durable.py", "from solosave._src.engine.rank_io import RankIO", "engine is above tiers"),
+    ("write/writer.py", "from solosave._src.tiers.choice import complete_here", "tiers is above write"),
+    ("load/load.py", "from solosave._src.save.checkpointer import AsyncCheckpointer", "save is above load"),
+    ("worker/host.py", "from solosave._src.save.session import SaveSession", "save is above worker"),
     ("plan/layout.py", "if True:\n    from solosave._src.prepared.sections import SectionReader", "prepared is above plan"),
-    ("save/engine.py", "from solosave._src.load.load import load", "on one level"),
+    ("engine/engine.py", "from solosave._src.load.load import load", "on one level"),
     ("storage/local.py", "import solosave.integrations", "never imports the public modules"),
-    ("save/engine.py", "from solosave._src.plan.local_plan import _is_dtensor", "private names stay in their folder"),
+    ("engine/engine.py", "from solosave._src.plan.local_plan import _is_dtensor", "private names stay in their folder"),
 ])
 def test_a_planted_breach_is_named(tmp_path, module, line, expected):
     root = _copy(tmp_path)

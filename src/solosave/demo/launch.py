@@ -193,7 +193,7 @@ def _run_forked_rank(argv: list[str], env: dict[str, str], one_thread: bool, lau
     traceback printed, as a fresh interpreter would, if it raised)."""
     code = 1
     try:  # everything in it: a rank must reach os._exit below, never the launcher's code
-        from solosave._src.save.worker import signal_on_parent_death
+        from solosave._src.worker.host import signal_on_parent_death
 
         # The fork copied the launcher's handlers; a rank starts with an interpreter's own.
         for sig in STOP_SIGNALS:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from solosave._src.formats.record_writer import FrameCache, build_frame, raw_bytes, record_crc
-from solosave._src.save.writer import FileWriter, Record
 from solosave._src.storage.writeback import writev_all
+from solosave._src.write.writer import FileWriter, Record
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
           torch.int32, torch.int64, torch.bool, torch.complex64]

@@ -9,14 +9,14 @@ import torch
 
 import solosave
 from solosave._src.coordination.protocol import EngineSettings
+from solosave._src.engine.engine import Engine
 from solosave._src.load import range_read
-from solosave._src.save.engine import Engine
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.session import SaveSession
-from solosave._src.save.writer import FileWriter
 from solosave._src.storage.registry import REGISTRY
 from solosave._src.testing.introspect import job_for
 from solosave._src.testing.local_channel import local_channels
+from solosave._src.write.writer import FileWriter
 from tests.unit.storage.dict_storage import DictStorage
 
 pytestmark = pytest.mark.timeout(120)

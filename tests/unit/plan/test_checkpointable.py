@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from solosave._src.load.load import SafeLoadPlanner
 from solosave._src.plan.local_plan import ItemKind, WholeValue, checkpointable_items, plan_local, serialize_bytes
 from solosave._src.plan.structure import StructureCache
-from solosave._src.save.staging import Stager
+from solosave._src.staging.staging import Stager
 from solosave._src.testing.checkpointable import ChunkedTensor, row_chunks
 
 

@@ -154,7 +154,7 @@ def test_checkpointer_needs_initialised_process_group():
 def test_bytes_padding_is_readable_or_refused(obj):
     import io
 
-    from solosave._src.save.writer import bytes_slot, padded_payload
+    from solosave._src.write.writer import bytes_slot, padded_payload
 
     buf = io.BytesIO()
     torch.save(obj, buf)

@@ -13,12 +13,11 @@ import torch
 
 import solosave
 from solosave._src.coordination.protocol import EngineSettings
+from solosave._src.engine.engine import Engine
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.load.load import read_metadata_bytes
-from solosave._src.save.engine import Engine
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.session import SaveSession, normalize_directory
-from solosave._src.save.writer import FileWriter
 from solosave._src.storage.fsspec import FsspecStorage
 from solosave._src.storage.local import LocalStorage
 from solosave._src.storage.registry import (
@@ -33,6 +32,7 @@ from solosave._src.storage.registry import (
 from solosave._src.testing.introspect import job_for
 from solosave._src.testing.local_channel import local_channels
 from solosave._src.tools.retention import remove_checkpoint
+from solosave._src.write.writer import FileWriter
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,7 +5,7 @@ reader finds each message's fields and meaning in one place. Messages are frozen
 (sent once per save or per set-up) or ``NamedTuple`` s (sent through collectives, where their
 pickled size counts); every tag is an enum.
 
-Trainer <-> worker, over the pipe (see ``save/worker.py``)::
+Trainer <-> worker, over the pipe (see ``worker/host.py``)::
 
     WorkerSetup                      once, first message: the channel and per-checkpointer settings
     SaveJob ...                      one per save; ``None`` stops the worker
@@ -150,7 +150,7 @@ class StagedSave:
     """What ``save()`` hands to the background: the staged items and their buffer.
 
     ``buffer`` names the staging buffer (``"shm:<name>"`` or ``"file:<path>"``, see
-    ``save/buffer.py``) or is ``None`` when nothing is a tensor. No CUDA object ever travels here.
+    ``staging/buffer.py``) or is ``None`` when nothing is a tensor. No CUDA object ever travels here.
     """
 
     buffer: str | None
@@ -348,7 +348,7 @@ class WorkerMessage(NamedTuple):
 class BufferHandoff(NamedTuple):
     """Trainer -> worker, before the first job that names staging buffer ``name``: the buffer's
     file descriptor follows on the pipe itself (``SCM_RIGHTS``), as the buffer has no name in
-    the file system (``save/buffer.py``)."""
+    the file system (``staging/buffer.py``)."""
 
     name: str
 

@@ -28,7 +28,7 @@ Internal exceptions, raised and handled inside solosave (at the end of this modu
     IndexUnusable (SolosaveError)  the load index cannot be used; the load reads .metadata instead
     └── IndexStale                 the index belongs to another .metadata
 
-(``save/reuse.py``'s ``ReceiptLost``, a ``ChannelError`` that also says whether ``.metadata`` was
+(``engine/reuse.py``'s ``ReceiptLost``, a ``ChannelError`` that also says whether ``.metadata`` was
 seen published, stays beside the only code that raises and handles it.)
 
 :class:`CheckpointExistsError` is also a ``torch.distributed.checkpoint.api.CheckpointException``,

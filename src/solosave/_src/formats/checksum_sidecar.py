@@ -8,7 +8,7 @@ published, one JSON object (UTF-8, no whitespace)::
 one entry per record of the file, in file order: its byte range and the CRC32 (zip's polynomial,
 :mod:`solosave._src.core.checksum`) of its bytes. Stock DCP ignores the file.
 
-* Writer side (``save/writer.py``, the worker of each rank): :func:`sidecar_bytes`.
+* Writer side (``write/writer.py``, the worker of each rank): :func:`sidecar_bytes`.
 * Reader side (``tools/verify.py``, one process): :func:`parse_sidecar` turns a sidecar's bytes
   into ``{(offset, length): crc32}``, refusing anything else with a ``ValueError`` that says what
   is wrong. A sidecar is untrusted: it is refused unread past :func:`sidecar_limit` bytes (what a

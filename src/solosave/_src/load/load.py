@@ -47,14 +47,14 @@ from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_FILE, check_ranges, local_file_problem
 from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.index.reader import LoadIndex, wanted_of
-from solosave._src.load.peers import restore_from_peers
 from solosave._src.load.range_read import read_items_by_ranges
 from solosave._src.load.read_path import ReadStats, damaged_record, read_items
-from solosave._src.load.tiers import choose_copy, complete_here
 from solosave._src.load.whole_reads import WholeRead, keeps_default, planning_the_rest, reads_in_place, whole_reads
 from solosave._src.storage.base import Storage
 from solosave._src.storage.dcp_filesystem import DcpFileSystem
 from solosave._src.storage.registry import backend_for, storage_for
+from solosave._src.tiers.choice import choose_copy, complete_here
+from solosave._src.tiers.peer_repair import restore_from_peers
 
 log = logging.getLogger(__name__)
 
@@ -309,12 +309,12 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
 
     ``durable_root`` (two tiers, ``CheckpointerOptions.durable_root``): ``path`` names the fast
     copy and ``<durable_root>/<name>`` the durable one; the fast copy is loaded when every rank
-    finds it complete, else the durable one, on every rank (:mod:`solosave._src.load.tiers`: one
+    finds it complete, else the durable one, on every rank (:mod:`solosave._src.tiers.choice`: one
     more 8-byte ``all_reduce``). Returns the path loaded from.
 
     ``ranks_per_host`` (a checkpoint saved with ``peer_copy``, fast tiers local to each host):
     first, a host whose fast tier misses ``path`` gets its files back from its neighbour hosts
-    (:mod:`solosave._src.load.peers`: one ``all_gather_object`` of one flag per rank; the
+    (:mod:`solosave._src.tiers.peer_repair`: one ``all_gather_object`` of one flag per rank; the
     transfers only when a host misses it).
     """
     distributed = dist.is_available() and dist.is_initialized()

@@ -58,18 +58,18 @@ from solosave._src.coordination.rendezvous import (
 )
 from solosave._src.core.errors import CheckpointExistsError, PreparedMetadataError, WorkerDiedError
 from solosave._src.core.gc_pause import gc_paused
+from solosave._src.engine.engine import Engine
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
-from solosave._src.save.durable import durable_directory
-from solosave._src.save.engine import Engine
 from solosave._src.save.handle import SaveHandle, complete, wait_published
 from solosave._src.save.options import CheckpointerOptions, peer_ranks_per_host
 from solosave._src.save.result import DurableCopy, DurableResult, SaveResult, Started, durable_result_of
 from solosave._src.save.session import SaveSession, normalize_directory
-from solosave._src.save.staging import Staging
-from solosave._src.save.worker import ProcessTransport, ThreadTransport
-from solosave._src.save.writer import FileWriter
+from solosave._src.staging.staging import Staging
 from solosave._src.storage.registry import storage_for
+from solosave._src.tiers.durable import durable_directory
+from solosave._src.worker.host import ProcessTransport, ThreadTransport
+from solosave._src.write.writer import FileWriter
 
 log = logging.getLogger("solosave")
 
@@ -186,7 +186,7 @@ class AsyncCheckpointer:
         receipts = dist.PrefixStore(prefix + "receipts/", client)
         channel = DistChannel(group, CollectiveCounter(), store=receipts, timeout=o.timeout)
         durable = None
-        if o.durable_root:  # the durable copies' own group (see save/durable.py)
+        if o.durable_root:  # the durable copies' own group (see tiers/durable.py)
             group = new_gloo_group(self.process_group, self._setup_counter, o.timeout)
             self._res.groups.append(group)
             durable = DistChannel(group, CollectiveCounter(), timeout=o.timeout,

@@ -45,9 +45,9 @@ from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.result import SaveResult
-from solosave._src.save.staging import Staging
-from solosave._src.save.writer import FileWriter
+from solosave._src.staging.staging import Staging
 from solosave._src.storage.registry import storage_for
+from solosave._src.write.writer import FileWriter
 
 try:
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse

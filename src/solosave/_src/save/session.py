@@ -20,10 +20,10 @@ from solosave._src.coordination.protocol import ItemSpec, JobOutcome, Mode, Save
 from solosave._src.plan.local_plan import LocalPlan
 from solosave._src.plan.structure import StructureCache
 from solosave._src.prepared.prepared import PreparedMetadata
-from solosave._src.save.durable import durable_directory
 from solosave._src.save.options import CheckpointerOptions
-from solosave._src.save.staging import Stager, Staging
+from solosave._src.staging.staging import Stager, Staging
 from solosave._src.storage.registry import backend_for
+from solosave._src.tiers.durable import durable_directory
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""A recording stand-in for the CUDA runtime (``save/device.py``'s ``DeviceRuntime``), for tests
+"""A recording stand-in for the CUDA runtime (``staging/device.py``'s ``DeviceRuntime``), for tests
 of the staging's device paths on a machine without a GPU.
 
 CPU tensors play the device tensors: :meth:`FakeRuntime.place` says on which device index a

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 from solosave._src.coordination.protocol import SaveJob
-from solosave._src.save.buffer import BufferReader
 from solosave._src.save.checkpointer import AsyncCheckpointer
 from solosave._src.save.session import SaveSession
+from solosave._src.staging.buffer import BufferReader
 
 
 def worker_pid(checkpointer: AsyncCheckpointer) -> int:

@@ -2,7 +2,7 @@
 
 With node-local fast tiers (an NVMe or ``/dev/shm`` per host, the same path on every host), a
 lost host takes its ranks' files with it. With ``peer_copy`` each rank's copier (the background
-thread of :mod:`solosave._src.save.durable`, on the durable channel) runs this stage first, for
+thread of :mod:`solosave._src.tiers.durable`, on the durable channel) runs this stage first, for
 every save published on the fast tier, before the durable copy. The job spans two hosts (the
 only count ``peer_copy`` accepts), consecutive blocks of ``L = ranks_per_host`` ranks; rank ``r``
 sends to ``(r + L) % W`` (the same local rank on the other host) and receives from
@@ -24,7 +24,7 @@ sends to ``(r + L) % W`` (the same local rank on the other host) and receives fr
    only); agreed failed: every rank all-gathers the errors (failure path only).
 
 Each host then holds the whole checkpoint, so either one alone restores it
-(:mod:`solosave._src.load.peers`).
+(:mod:`solosave._src.tiers.peer_repair`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from solosave._src.coordination.protocol import Status, decode_status, encode_st
 from solosave._src.coordination.transfer import PEER_FILE, Outgoing, open_whole, ring_pass
 from solosave._src.core.errors import OutOfStep, describe
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
-from solosave._src.save.writer import FileWriter
 from solosave._src.storage.registry import storage_for
+from solosave._src.write.writer import FileWriter
 
 
 def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, ...], writer: FileWriter,

@@ -7,10 +7,10 @@ collected the previous outcome), ``poll(timeout) -> JobOutcome | DurableOutcome 
 (bounded; raises :class:`WorkerDiedError` if the worker is gone; a ``DurableOutcome`` comes from
 the engine's copier thread, two tiers), ``close(timeout)`` (never raises).
 
-The worker process (a fresh interpreter: ``python -m solosave._src.save.worker_entry``) receives a
+The worker process (a fresh interpreter: ``python -m solosave._src.worker.entry``) receives a
 :class:`~solosave._src.coordination.protocol.WorkerSetup`, joins the rendezvous ``TCPStore`` that the
 coordinator's trainer serves, forms its own gloo process group under a ``PrefixStore`` (the
-channel), builds an :class:`~solosave._src.save.engine.Engine` and then runs jobs until told to stop. It
+channel), builds an :class:`~solosave._src.engine.engine.Engine` and then runs jobs until told to stop. It
 is reused by every save of the checkpointer. It never initialises CUDA (no CUDA object reaches
 it). Its lifetime is tied to its trainer's:
 
@@ -54,8 +54,8 @@ from solosave._src.coordination.protocol import (
     expand_job,
 )
 from solosave._src.core.errors import WorkerDiedError
-from solosave._src.save.engine import Engine
-from solosave._src.save.zygote import ZYGOTE_ENV, ForkedWorker, ZygoteLost, fork_worker, pid_alive
+from solosave._src.engine.engine import Engine
+from solosave._src.worker.zygote import ZYGOTE_ENV, ForkedWorker, ZygoteLost, fork_worker, pid_alive
 
 log = logging.getLogger("solosave")
 _POLL = 0.05
@@ -74,7 +74,7 @@ def signal_on_parent_death(signum: int) -> None:
 
 def tie_to_trainer(trainer_pid: int, interval: float = 0.2, forked: bool = False) -> None:
     """End this process when the trainer ``trainer_pid`` is gone (see the module docstring).
-    ``forked``: a zygote's child (``save/zygote.py``), whose parent is the zygote: it ends with
+    ``forked``: a zygote's child (``worker/zygote.py``), whose parent is the zygote: it ends with
     the zygote (whose connection told the trainer it is gone) and watches the trainer's pid."""
     signal_on_parent_death(signal.SIGKILL)  # elsewhere than Linux: the watchdog alone
 
@@ -162,7 +162,7 @@ def worker_main(conn: Connection, trainer_pid: int, forked: bool = False) -> Non
 
 
 def _forked(fd: int) -> ForkedWorker | None:
-    """A worker forked by the zygote that ``$SOLOSAVE_WORKER_ZYGOTE`` names (``save/zygote.py``),
+    """A worker forked by the zygote that ``$SOLOSAVE_WORKER_ZYGOTE`` names (``worker/zygote.py``),
     or ``None``: none is named, or it cannot be reached (logged: a fresh interpreter then)."""
     address = os.environ.get(ZYGOTE_ENV)
     if not address:
@@ -179,8 +179,8 @@ def _forked(fd: int) -> ForkedWorker | None:
 class ProcessTransport:
     """A persistent worker process for one rank.
 
-    The worker is a fresh interpreter running ``python -m solosave._src.save.worker_entry <fd> <pid>``
-    (or, with ``$SOLOSAVE_WORKER_ZYGOTE`` set, a fork of that zygote: ``save/zygote.py``),
+    The worker is a fresh interpreter running ``python -m solosave._src.worker.entry <fd> <pid>``
+    (or, with ``$SOLOSAVE_WORKER_ZYGOTE`` set, a fork of that zygote: ``worker/zygote.py``),
     connected to the trainer by a duplex pipe (one end passed as file descriptor ``fd``). Unlike
     a ``multiprocessing`` *spawn* child it does not re-import the trainer's main script, so a
     training script without an ``if __name__ == "__main__":`` guard works; it sees the trainer's
@@ -195,7 +195,7 @@ class ProcessTransport:
         env["PYTHONPATH"] = os.pathsep.join(paths)
         try:
             self.process = _forked(theirs.fileno()) or subprocess.Popen(  # noqa: S603 - our own interpreter
-                [sys.executable, "-m", "solosave._src.save.worker_entry", str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-m", "solosave._src.worker.entry", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), env=env, close_fds=True, start_new_session=True)
         finally:
             theirs.close()

@@ -11,19 +11,19 @@ import torch
 
 from solosave._src.coordination.protocol import EngineSettings
 from solosave._src.core.errors import OptionError
+from solosave._src.engine.engine import Engine
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.formats.metadata_template import MetadataTemplate, replace_checkpoint_id
 from solosave._src.index.reader import LoadIndex
 from solosave._src.index.writer import body_from_metadata, render, shifted
-from solosave._src.save.durable import Copier, CopyTask, durable_directory
-from solosave._src.save.engine import Engine
 from solosave._src.save.options import CheckpointerOptions, add_option_flags, options_from_args
 from solosave._src.save.session import SaveSession
-from solosave._src.save.writer import FileWriter
 from solosave._src.storage.copy import stream_into
 from solosave._src.storage.local import LocalStorage
 from solosave._src.testing.introspect import job_for
 from solosave._src.testing.local_channel import local_channels
+from solosave._src.tiers.durable import Copier, CopyTask, durable_directory
+from solosave._src.write.writer import FileWriter
 from tests.support import dcp_save_local
 
 pytestmark = pytest.mark.timeout(60)

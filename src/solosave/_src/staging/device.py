@@ -1,6 +1,6 @@
 """What staging needs from the accelerator runtime, as one small protocol (trainer side only).
 
-:class:`DeviceRuntime` is the seam between staging (``save/staging.py``, ``save/buffer.py``)
+:class:`DeviceRuntime` is the seam between staging (``staging/staging.py``, ``staging/buffer.py``)
 and ``torch.cuda``: which tensors live on a device, streams and events, the copy itself, and
 the host-memory registration of ``cudart``. :class:`CudaRuntime` is the real one, used by
 default; tests pass a recording fake (``_src/testing/fake_device.py``) to check on a machine

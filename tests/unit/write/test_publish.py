@@ -10,7 +10,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from solosave._src.coordination.protocol import ItemKind, ItemSpec
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.formats.metadata_template import MetadataTemplate
-from solosave._src.save.publish import publish_metadata, stage_metadata
+from solosave._src.write.publish import publish_metadata, stage_metadata
 from tests.support import dcp_save_local
 from tests.unit.plan.oracle import build_metadata, build_state_dict_metadata
 

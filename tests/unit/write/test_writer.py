@@ -1,4 +1,4 @@
-"""Tests of ``solosave._src.save.writer``: padding of BYTES records, write errors that say what happened."""
+"""Tests of ``solosave._src.write.writer``: padding of BYTES records, write errors that say what happened."""
 
 import io
 import os
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from solosave._src.save.writer import bytes_slot, padded_payload
+from solosave._src.write.writer import bytes_slot, padded_payload
 from tests.support import can_mount_private_tmpfs
 
 
@@ -68,7 +68,7 @@ def test_padding_beyond_the_payload_size_is_refused():
 @pytest.mark.skipif(not can_mount_private_tmpfs(), reason="needs root and unshare for a private 1 MiB tmpfs")
 def test_a_full_disk_is_no_space_left_on_device_naming_the_item(tmp_path):
     # torch's zip writer reports a full disk as "inline_container.cc ... unexpected pos"
-    code = ("import torch\nfrom solosave._src.save.writer import FileWriter, Record\n"
+    code = ("import torch\nfrom solosave._src.write.writer import FileWriter, Record\n"
             f"FileWriter().write_file({str(tmp_path)!r}, '__0_0.distcp', "
             "[Record(('model.w', (0,)), tensor=torch.ones(1 << 20))])\n")
     r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {tmp_path} && "

@@ -47,6 +47,7 @@ from solosave._src.coordination.protocol import (
 from solosave._src.coordination.status import same_save
 from solosave._src.core.errors import OutOfStep, describe
 from solosave._src.core.gc_pause import gc_paused
+from solosave._src.engine.rank_io import RankIO
 from solosave._src.formats.dcp import file_name
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.index.writer import body_from_columns
@@ -62,9 +63,8 @@ from solosave._src.prepared.prepared import (
     write_prepared_bytes,
 )
 from solosave._src.prepared.sections import SectionReader
-from solosave._src.save.rank_io import RankIO
-from solosave._src.save.writer import bytes_slot
 from solosave._src.storage.sources import BytesSource
+from solosave._src.write.writer import bytes_slot
 
 
 @dataclass(frozen=True, slots=True)

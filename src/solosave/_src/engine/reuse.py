@@ -45,11 +45,11 @@ from solosave._src.coordination.protocol import (
     encode_status,
 )
 from solosave._src.core.errors import ChannelError, OutOfStep, PreparedMetadataError, describe
+from solosave._src.engine.collective import MadeTemplate, run_collective
+from solosave._src.engine.rank_io import RankIO
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.plan.layout import check_layout
 from solosave._src.prepared.prepared import PreparedMetadata
-from solosave._src.save.collective import MadeTemplate, run_collective
-from solosave._src.save.rank_io import RankIO
 from solosave._src.storage.base import Commit
 from solosave._src.storage.registry import storage_for
 

@@ -1,6 +1,6 @@
 """Worker processes forked from a zygote that imported torch once: fast worker starts.
 
-A persistent worker is normally a fresh interpreter (``save/worker.py``, ``ProcessTransport``)
+A persistent worker is normally a fresh interpreter (``worker/host.py``, ``ProcessTransport``)
 that imports torch and DCP before it can save: about 3 s of CPU per worker on a small machine,
 paid again by every checkpointer a process creates (a test suite, a job that recreates its
 checkpointer after a failure). A **zygote** is one such interpreter that imported them once,
@@ -8,7 +8,7 @@ never initialises anything else and forks a worker per request, in milliseconds.
 
 Who does what:
 
-* the owner starts it: ``python -m solosave._src.save.worker_entry --zygote SOCKET OWNER_PID``
+* the owner starts it: ``python -m solosave._src.worker.entry --zygote SOCKET OWNER_PID``
   (:func:`start_zygote`), and sets ``SOLOSAVE_WORKER_ZYGOTE=SOCKET`` for the trainers that should
   use it; it exits when ``OWNER_PID`` is gone. Its workers live in its namespaces (network,
   mounts) and start from its environment, so it must run where the trainers run;
@@ -132,7 +132,7 @@ def _recv_line(sock: socket.socket) -> bytes:
 
 def start_zygote(address: str, timeout: float = 60.0) -> subprocess.Popen:
     """Start a zygote serving ``address`` for this process's lifetime; returns once it listens."""
-    proc = subprocess.Popen([sys.executable, "-m", "solosave._src.save.worker_entry", "--zygote", address,  # noqa: S603
+    proc = subprocess.Popen([sys.executable, "-m", "solosave._src.worker.entry", "--zygote", address,  # noqa: S603
                              str(os.getpid())], stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout
     while not os.path.exists(address):

@@ -23,7 +23,7 @@ fast tier, which every rank knows alike):
    (``post``: to the trainer), the same ``ok`` and failures on every rank.
 
 With peer copies (``peer_copy``; fast tiers local to each host) every task first runs the peer
-stage of :mod:`solosave._src.save.peer` on the same channel (its files to the next host, one
+stage of :mod:`solosave._src.tiers.peer_copy` on the same channel (its files to the next host, one
 more 8-byte ``all_reduce``); its outcome is reported beside the durable one
 (``DurableOutcome.peer_ok``), and a failed peer stage does not stop the durable copy.
 
@@ -55,10 +55,10 @@ from solosave._src.core.errors import ChannelError, IndexUnusable, OutOfStep, de
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE, checksum_path
 from solosave._src.formats.metadata_template import replace_checkpoint_id
 from solosave._src.index.writer import shifted
-from solosave._src.save.peer import copy_to_peer
-from solosave._src.save.writer import FileWriter
 from solosave._src.storage.copy import stream_into
 from solosave._src.storage.registry import backend_for, storage_for
+from solosave._src.tiers.peer_copy import copy_to_peer
+from solosave._src.write.writer import FileWriter
 
 #: Copies queued or running at once per rank; a save whose copy would exceed it first waits (in
 #: the background, before its own write) for the oldest to end, so the fast tier holds at most
@@ -96,7 +96,7 @@ class Copier:
     def __init__(self, channel: Channel, writer: FileWriter, storage_options: Mapping[str, Any] | None = None,
                  files_at_once: int = 1, ranks_per_host: int = 0) -> None:
         self.channel = channel
-        #: Peer copies (``peer_copy``): the ranks per host; 0: none (see ``save/peer.py``).
+        #: Peer copies (``peer_copy``): the ranks per host; 0: none (see ``tiers/peer_copy.py``).
         self.ranks_per_host = ranks_per_host
         self.writer = writer
         self.storage_options = storage_options
@@ -203,7 +203,7 @@ class Copier:
                               tuple(ch.counter.since(mark)), task.queued_at, time.time(), peer_ok, peer_failures)
 
     def _peer_stage(self, task: CopyTask) -> tuple[bool | None, dict[int, str]]:
-        """The peer copy of ``task`` (``save/peer.py``), before its durable copy: ``(ok or None
+        """The peer copy of ``task`` (``tiers/peer_copy.py``), before its durable copy: ``(ok or None
         when there is none, failures)``. A broken channel breaks the copier."""
         if not self.ranks_per_host:
             return None, {}

@@ -1,4 +1,4 @@
-"""Staging (``save/staging.py``), in one process: the buffer holds the values as of the call, in the
+"""Staging (``staging/staging.py``), in one process: the buffer holds the values as of the call, in the
 blocking and the overlapped modes; a change before an overlapped copy is done is caught."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 
 from solosave import SaveTimeoutError, StagingRaceError
 from solosave._src.plan.local_plan import plan_local
-from solosave._src.save import staging as _stage
-from solosave._src.save.buffer import BufferReader
-from solosave._src.save.staging import Stager
+from solosave._src.staging import staging as _stage
+from solosave._src.staging.buffer import BufferReader
+from solosave._src.staging.staging import Stager
 
 
 def _staged_values(stager, staged) -> dict:

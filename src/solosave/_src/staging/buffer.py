@@ -42,7 +42,7 @@ import torch
 
 from solosave._src.coordination.protocol import ItemSpec, StagedItem, StagedSave
 from solosave._src.formats.dcp import dtype_from_name
-from solosave._src.save.device import HOST_REGISTER_PORTABLE, DeviceRuntime
+from solosave._src.staging.device import HOST_REGISTER_PORTABLE, DeviceRuntime
 
 log = logging.getLogger("solosave")
 

@@ -1,7 +1,7 @@
 """What one rank writes in a save (background: worker process or thread, every rank).
 
-:class:`RankIO` is owned by the rank's :class:`~solosave._src.save.engine.Engine`, which hands it to
-the collective path (``save/collective.py``) and to the reuse path (``save/reuse.py``). It calls
+:class:`RankIO` is owned by the rank's :class:`~solosave._src.engine.engine.Engine`, which hands it to
+the collective path (``engine/collective.py``) and to the reuse path (``engine/reuse.py``). It calls
 no collective. Per save, in this order:
 
 1. every rank writes its data files: :meth:`RankIO.write` (collective path: the items the
@@ -31,11 +31,11 @@ from solosave._src.core.errors import describe
 from solosave._src.formats.dcp import data_file_problem
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.index import writer as index
-from solosave._src.save.buffer import BufferReader
-from solosave._src.save.publish import publish_metadata, stage_metadata, unpublish
-from solosave._src.save.writer import FileWriter, Record
+from solosave._src.staging.buffer import BufferReader
 from solosave._src.storage.base import Commit
 from solosave._src.storage.registry import backend_for, storage_for
+from solosave._src.write.publish import publish_metadata, stage_metadata, unpublish
+from solosave._src.write.writer import FileWriter, Record
 
 Files = list[tuple[str, list[Record]]]
 

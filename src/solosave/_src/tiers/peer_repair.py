@@ -1,6 +1,6 @@
 """Restoring a host's fast tier from its peers (checkpoints saved with ``peer_copy``).
 
-The peer copy (``save/peer.py``) leaves, on the fast tier of host ``h`` (ranks ``h*L`` to
+The peer copy (``tiers/peer_copy.py``) leaves, on the fast tier of host ``h`` (ranks ``h*L`` to
 ``h*L+L-1``), the files of its own ranks and of host ``h-1``, and the ``.metadata``. When a host
 lost them (a replaced node, a wiped ``/dev/shm``), its ranks get them back from the two hosts
 that hold them, over the network, before the restore chooses a tier; the durable tier is not
@@ -20,7 +20,7 @@ read. Who calls what (every rank of the process group, alone otherwise: nothing 
   first rank of each repaired host publishes the load index and ``.metadata``, ``.metadata``
   last -> one 8-byte ``all_reduce`` (so no rank looks before it is there).
 
-The restore then chooses a tier as without peers (``load/tiers.py``): a repair that did not
+The restore then chooses a tier as without peers (``tiers/choice.py``): a repair that did not
 complete leaves the step incomplete on that host, and the durable copy is read.
 """
 

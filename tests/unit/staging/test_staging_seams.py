@@ -1,4 +1,4 @@
-"""Staging's CUDA paths on a machine without a GPU, through the runtime seam (``save/device.py``):
+"""Staging's CUDA paths on a machine without a GPU, through the runtime seam (``staging/device.py``):
 a recording fake (``testing/fake_device.py``) stands in for ``torch.cuda``, CPU tensors play the
 device tensors. Each test is named ``test_seam_*``: it checks the calls staging makes, not a GPU
 (``tools/device_check.py`` checks those on a real one).
@@ -22,8 +22,8 @@ import threading
 import torch
 
 from solosave._src.plan.local_plan import plan_local
-from solosave._src.save.buffer import BufferReader
-from solosave._src.save.staging import Stager
+from solosave._src.staging.buffer import BufferReader
+from solosave._src.staging.staging import Stager
 from solosave._src.testing.fake_device import FakeRuntime
 
 

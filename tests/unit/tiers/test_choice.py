@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import solosave
-from solosave._src.load.tiers import choose_copy, choose_restore_point, complete_here, durable_copy_of
+from solosave._src.tiers.choice import choose_copy, choose_restore_point, complete_here, durable_copy_of
 from tests.support import dcp_save_local, publish_with_index
 
 
@@ -58,14 +58,14 @@ def test_the_newest_restorable_step_wins(tmp_path):
 
 
 def test_ranks_that_load_different_checkpoints_are_told(monkeypatch):
-    from solosave._src.load import tiers
+    from solosave._src.tiers import choice as tiers
 
     monkeypatch.setattr(tiers, "_agree", lambda *a: None)  # what a mismatched word decodes to
     with pytest.raises(ValueError, match="the ranks load different checkpoints"):
         choose_copy("/x/iter_1", "/y")
 
 
-# -- peer copies: which step the hosts restore on their fast tiers (load/peers.py) -------------
+# -- peer copies: which step the hosts restore on their fast tiers (tiers/peer_repair.py) -------------
 
 def _held(per_host, steps_of_host):
     """Every rank's ``{step: name}``, ranks of a host alike."""
@@ -73,13 +73,13 @@ def _held(per_host, steps_of_host):
 
 
 def test_the_newest_step_every_host_holds_needs_no_repair():
-    from solosave._src.load.peers import newest_restorable
+    from solosave._src.tiers.peer_repair import newest_restorable
 
     assert newest_restorable(_held(2, [{1, 2}, {1, 2}]), 2) == (2, "iter_0000002", [True] * 4)
 
 
 def test_a_lost_host_gets_the_newest_step_its_neighbours_hold():
-    from solosave._src.load.peers import newest_restorable
+    from solosave._src.tiers.peer_repair import newest_restorable
 
     assert newest_restorable(_held(2, [set(), {1, 2}]), 2) == (2, "iter_0000002", [False, False, True, True])
     # three hosts: host 1 lost; hosts 0 and 2 (its neighbours) hold step 5
@@ -87,7 +87,7 @@ def test_a_lost_host_gets_the_newest_step_its_neighbours_hold():
 
 
 def test_a_step_two_neighbouring_hosts_lost_is_not_restorable_from_peers():
-    from solosave._src.load.peers import newest_restorable
+    from solosave._src.tiers.peer_repair import newest_restorable
 
     # hosts 0 and 1 of three lost step 5 (host 1's files lived on hosts 1 and 2, host 0's on 0 and 1)
     assert newest_restorable(_held(1, [{4}, {4}, {4, 5}]), 1) == (4, "iter_0000004", [True, True, True])

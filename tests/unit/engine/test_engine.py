@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from solosave._src.coordination.protocol import EngineSettings, ErrorKind, SaveKind
-from solosave._src.save.engine import Engine
+from solosave._src.engine.engine import Engine
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.save.session import SaveSession
-from solosave._src.save.writer import FileWriter
 from solosave._src.testing.introspect import job_for
 from solosave._src.testing.local_channel import local_channels
+from solosave._src.write.writer import FileWriter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -180,7 +180,7 @@ def test_ranks_out_of_step_break_every_engine(ranks):
 
 
 def test_an_internal_error_is_reported_with_its_traceback(ranks, monkeypatch):
-    from solosave._src.save import reuse
+    from solosave._src.engine import reuse
 
     def bug(*a, **k):
         raise KeyError("a bug")
@@ -274,7 +274,7 @@ def _stepped(r, step):
 def test_a_steady_structure_reuses_its_write_program_and_still_sees_a_drift(ranks, tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from solosave._src.save import reuse
+    from solosave._src.engine import reuse
 
     checks = []
     real = reuse.check_layout
@@ -328,7 +328,7 @@ def test_reuse_publishes_the_metadata_it_staged_and_leaves_no_temporary_file(ran
 
 
 def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_thread():
-    from solosave._src.save.reuse import Ahead
+    from solosave._src.engine.reuse import Ahead
     from solosave._src.storage.base import Commit
 
     log = []
@@ -364,7 +364,7 @@ def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_
 
 
 def test_the_ahead_threads_warnings_are_kept_until_the_take_and_dropped_after():
-    from solosave._src.save.reuse import Ahead
+    from solosave._src.engine.reuse import Ahead
 
     warned, release = threading.Event(), threading.Event()
 
@@ -400,9 +400,9 @@ def test_the_paths_take_their_state_as_arguments_and_return_what_they_made(tmp_p
     prepared metadata of the next save, which is how the engine uses it)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from solosave._src.save.collective import run_collective
-    from solosave._src.save.rank_io import RankIO
-    from solosave._src.save.reuse import run_reuse
+    from solosave._src.engine.collective import run_collective
+    from solosave._src.engine.rank_io import RankIO
+    from solosave._src.engine.reuse import run_reuse
 
     world = 2
     opts = CheckpointerOptions(persistent_worker=False, assume_constant_structure=True)

@@ -183,7 +183,7 @@ _SUFFIXES_AT_ONCE = 64
 class FileWriter:
     """Writes the files of one rank, one thread per file.
 
-    Called only in the background (worker process or thread), by :class:`~solosave._src.save.engine.Engine`,
+    Called only in the background (worker process or thread), by :class:`~solosave._src.engine.engine.Engine`,
     in this order per save: ``write_files`` -> for each file, in a pool thread, ``write_file``
     -> ``open`` / ``write_record`` per record / ``close``.
     """

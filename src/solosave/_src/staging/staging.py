@@ -7,13 +7,13 @@ reused by every save of the same structure; each tensor is a view at an aligned 
 worker process maps one buffer, not one file descriptor per tensor. Non-tensor values are
 serialized with ``torch.save`` and travel inside the job message.
 
-The buffer (``save/buffer.py``) is shared memory that the worker maps. A staging holds a lease
+The buffer (``staging/buffer.py``) is shared memory that the worker maps. A staging holds a lease
 on it while its copies may still run: a buffer is never unmapped, unregistered or reused under a
 copy (``close()``, a staging that timed out, a new save: a new save of the same structure whose
 buffer is still written by an old copy gets a new buffer). It also holds the source tensors and
 their storages until the copies end, so a tensor the caller drops stays valid under its copy.
 
-CUDA tensors (through ``save/device.py``'s runtime; tests pass a recording fake): the buffer is
+CUDA tensors (through ``staging/device.py``'s runtime; tests pass a recording fake): the buffer is
 registered as pinned memory; torch runs a device-to-host copy on the current stream of the
 *source's* device, so the copies of each source device run on a side stream of that device,
 which first waits for that device's current stream, and record one event per device. Blocking
@@ -51,8 +51,8 @@ import torch
 from solosave._src.coordination.protocol import ItemKind, ItemSpec, StagedItem, StagedSave
 from solosave._src.core.errors import SaveTimeoutError, StagingRaceError
 from solosave._src.plan.local_plan import serialize_bytes, value_key
-from solosave._src.save.buffer import STAGING_DIR_ENV, BufferReader, _Buffer, _Lease
-from solosave._src.save.device import CudaRuntime, DeviceRuntime
+from solosave._src.staging.buffer import STAGING_DIR_ENV, BufferReader, _Buffer, _Lease
+from solosave._src.staging.device import CudaRuntime, DeviceRuntime
 
 #: Alignment of every tensor inside a staging buffer (bytes).
 ALIGN = 64

@@ -16,13 +16,13 @@ collectives return). :meth:`Engine.run` dispatches on the mode:
     (on "drifted" with ``"fallback"``, the collective path for this save instead).
 
 Both paths take what they need as arguments (the channel, the settings, the rank's
-:class:`~solosave._src.save.rank_io.RankIO`, which the engine owns) and return the outcome and
+:class:`~solosave._src.engine.rank_io.RankIO`, which the engine owns) and return the outcome and
 the template a save made; the engine keeps the prepared metadata in use, that template (adopted
 by the next prepared metadata, so the coordinator does not read back what it just wrote) and the
 broken state.
 
 With two tiers (``durable_root``) the engine also owns the rank's
-:class:`~solosave._src.save.durable.Copier`: once a save is published on the fast tier, its copy
+:class:`~solosave._src.tiers.durable.Copier`: once a save is published on the fast tier, its copy
 to the durable tier is queued there and the save's outcome is reported at once (it names the
 queued copy: ``JobOutcome.durable``); the copy's own outcome follows from the copier's thread.
 Before a save writes, it waits (bounded) while ``MAX_PENDING`` copies are pending, and while a
@@ -46,13 +46,13 @@ from collections import defaultdict
 from solosave._src.coordination.channel import Channel
 from solosave._src.coordination.protocol import EngineSettings, ErrorKind, JobOutcome, Mode, SaveJob, SaveKind
 from solosave._src.core.errors import ChannelError, OutOfStep
+from solosave._src.engine.collective import MadeTemplate, run_collective
+from solosave._src.engine.rank_io import RankIO
+from solosave._src.engine.reuse import ReceiptLost, run_reuse
 from solosave._src.formats.dcp import checksum_path
 from solosave._src.prepared.prepared import PreparedMetadata
-from solosave._src.save.collective import MadeTemplate, run_collective
-from solosave._src.save.durable import MAX_PENDING, Copier, CopyTask
-from solosave._src.save.rank_io import RankIO
-from solosave._src.save.reuse import ReceiptLost, run_reuse
-from solosave._src.save.writer import FileWriter
+from solosave._src.tiers.durable import MAX_PENDING, Copier, CopyTask
+from solosave._src.write.writer import FileWriter
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
             "AsyncCheckpointer on every rank")
