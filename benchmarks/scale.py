@@ -42,7 +42,7 @@ two norms [4096]; final norm), every tensor sharded on dim 0 over W ranks as a 1
   buckets of items other ranks write) - timed and with the bytes it read, and the pickled size of
   the prepared metadata its trainer sends its worker; the coordinator's template read at start-up
   (``t_template_once``) or adoption of the create save's template (``t_template_after_create``);
-  per save ``render`` + ``publish_metadata`` (atomic write, fsync) and, apart, the load index
+  per save ``render`` + ``commit_checkpoint`` (atomic write, fsync) and, apart, the load index
   write that the coordinator runs beside its data writes, and per rank per save
   ``plan_reuse`` + ``check_layout`` (the layout guard) on that rank's write results.
 * loading (``measure_load``): per sampled rank, what ``solosave.load`` runs before DCP's
@@ -408,11 +408,13 @@ def measure_startup(out: Json, world: int, workers: int, prepared_path: str, mad
     first ``plan_reuse`` (reads this rank's section and any directory buckets) + the layout guard,
     and the pickle of what the trainer sends its worker; the coordinator also reads the template
     (or adopts the create save's, in the same job) and publishes per save."""
+    from solosave._src.formats.dcp import INDEX_FILE
     from solosave._src.index import writer as index
     from solosave._src.plan.layout import check_layout
     from solosave._src.plan.local_plan import LocalPlan
     from solosave._src.prepared.prepared import load_prepared_metadata
-    from solosave._src.write.publish import publish_metadata
+    from solosave._src.storage.registry import storage_for
+    from solosave._src.write.publish import commit_checkpoint
 
     per_rank, reads, sent, plans = [], [], [], []
     for r, (held, results) in samples.items():
@@ -458,9 +460,9 @@ def measure_startup(out: Json, world: int, workers: int, prepared_path: str, mad
     pubs, idx_writes = [], []
     for _ in range(3):
         save_id = str(uuid.uuid4())
-        _, t = _timed(lambda s=save_id: index.write(reuse_dir, index.render(body, tpl, reuse_dir, s), fsync=True))
+        _, t = _timed(lambda s=save_id: storage_for(reuse_dir).commit(os.path.join(reuse_dir, INDEX_FILE), index.render(body, tpl, reuse_dir, s), fsync=True))
         idx_writes.append(t)
-        _, t = _timed(lambda s=save_id: publish_metadata(reuse_dir, tpl.render_parts(reuse_dir, s), fsync=True))
+        _, t = _timed(lambda s=save_id: commit_checkpoint(storage_for(reuse_dir), reuse_dir, tpl.render_parts(reuse_dir, s), fsync=True))
         pubs.append(t)
     out["reuse_index_write_s"] = statistics.median(idx_writes)
     shutil.rmtree(reuse_dir, ignore_errors=True)

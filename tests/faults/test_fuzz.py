@@ -48,7 +48,7 @@ from solosave._src.prepared.prepared import load_prepared_metadata
 from solosave._src.write.writer import FileWriter
 from tests import crafted
 from tests.support import dcp_save_local, equal, zeros_like
-from tests.unit.save.test_engine import Ranks
+from tests.unit.engine.test_engine import Ranks
 
 ROUNDS = float(os.environ.get("SOLOSAVE_FUZZ_ROUNDS", "1"))
 SEED = int(os.environ.get("SOLOSAVE_FUZZ_SEED", "29"))

@@ -10,9 +10,19 @@ from torch.distributed.checkpoint import FileSystemReader
 from solosave._src.coordination.protocol import ItemKind, ItemSpec
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.formats.metadata_template import MetadataTemplate
-from solosave._src.write.publish import publish_metadata, stage_metadata
+from solosave._src.storage.registry import storage_for
+from solosave._src.write.publish import commit_checkpoint, stage_checkpoint
 from tests.support import dcp_save_local
 from tests.unit.plan.oracle import build_metadata, build_state_dict_metadata
+
+
+def publish_metadata(directory, data, storage_options=None):
+    """``.metadata`` alone (no load index) through the one publication function."""
+    assert commit_checkpoint(storage_for(directory, storage_options), os.fspath(directory), data) is None
+
+
+def stage_metadata(directory, data, storage_options=None):
+    return stage_checkpoint(storage_for(directory, storage_options), os.fspath(directory), data)
 
 
 def _checkpoint(tmp_path):
@@ -106,3 +116,70 @@ def test_staged_metadata_is_invisible_until_finished_and_discard_leaves_nothing(
     assert os.listdir(tmp_path / "remote") == []
     remote.finish()
     assert (tmp_path / "remote" / METADATA_FILE).read_bytes() == tpl.render(url, "s3")
+
+
+class _Recording:
+    """A local storage that records, in order, which published file became visible when (and
+    can fail the commit of one of them)."""
+
+    def __init__(self, fail=None):
+        from solosave._src.storage.local import LocalStorage
+
+        outer = self
+        self.events, self.fail = [], fail
+
+        class Rec(LocalStorage):
+            def stage_commit(self, path, data, fsync=True):
+                if os.path.basename(path) == outer.fail:
+                    raise OSError(28, "No space left on device")
+                staged = super().stage_commit(path, data, fsync)
+                finish = staged.finish
+
+                def recorded():
+                    finish()
+                    outer.events.append(("commit", os.path.basename(path), os.path.exists(path)))
+
+                staged.finish = recorded
+                return staged
+
+            def remove(self, path):
+                super().remove(path)
+                outer.events.append(("remove", os.path.basename(path), os.path.exists(path)))
+
+        self.storage = Rec()
+
+
+def test_commit_checkpoint_writes_the_index_then_metadata_last(tmp_path):
+    """The invariant every publishing path goes through (engine, collective fallback, durable
+    copy, peer copy, peer repair: tests/unit/test_invariants.py finds no other writer): the load
+    index is visible before ``.metadata``, and ``.metadata`` is the last thing written."""
+    from solosave._src.formats.dcp import INDEX_FILE
+
+    rec = _Recording()
+    (tmp_path / METADATA_FILE).write_bytes(b"old")
+    from solosave._src.write.publish import unpublish
+
+    unpublish(rec.storage, os.fspath(tmp_path))
+    assert not (tmp_path / METADATA_FILE).exists()
+    (tmp_path / "__0_0.distcp").write_bytes(b"new data")  # the data, written after the old .metadata went
+    assert commit_checkpoint(rec.storage, os.fspath(tmp_path), [b"new ", b"md"], b"index") is None
+    names = [e[1] for e in rec.events if e[0] == "commit"]
+    assert names == [INDEX_FILE, METADATA_FILE]
+    assert (tmp_path / METADATA_FILE).read_bytes() == b"new md" and (tmp_path / INDEX_FILE).read_bytes() == b"index"
+    assert rec.events[0] == ("remove", METADATA_FILE, False)
+
+
+def test_an_index_that_fails_is_a_warning_and_metadata_that_fails_publishes_nothing(tmp_path):
+    from solosave._src.formats.dcp import INDEX_FILE
+
+    rec = _Recording(fail=INDEX_FILE)
+    warning = commit_checkpoint(rec.storage, os.fspath(tmp_path), b"md", lambda: b"index")
+    assert warning is not None and "load index" in warning and "No space left" in warning
+    assert (tmp_path / METADATA_FILE).read_bytes() == b"md"
+    rec = _Recording(fail=METADATA_FILE)
+    d = tmp_path / "second"
+    d.mkdir()
+    import pytest
+    with pytest.raises(OSError, match="No space left"):
+        commit_checkpoint(rec.storage, os.fspath(d), b"md", b"index")
+    assert not (d / METADATA_FILE).exists() and _tmp_files(d) == []

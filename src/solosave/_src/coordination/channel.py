@@ -29,13 +29,24 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from solosave._src.core.errors import ChannelError
+from solosave._src.coordination.status import (
+    SaveIdentity,
+    SetupAgreement,
+    Status,
+    decode_flags,
+    decode_setup,
+    decode_status,
+    encode_flags,
+    encode_setup,
+    encode_status,
+)
+from solosave._src.core.errors import ChannelError, OutOfStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +82,16 @@ class CollectiveCounter:
 
 def dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What :meth:`Channel.agree` settled, the same on every rank: the agreed status and, where
+    it gathered them, the failing ranks' errors or the drifting ranks' drifts."""
+
+    status: Status
+    failures: dict[int, str] = field(default_factory=dict)
+    drifts: dict[int, list[str]] = field(default_factory=dict)
 
 
 class Channel:
@@ -115,6 +136,64 @@ class Channel:
     def all_reduce_and(self, value: int) -> int:
         """One ``all_reduce(BAND)`` of one int64 element (8 bytes): the reuse status word."""
         raise NotImplementedError
+
+    def all_and(self, value: int) -> int:
+        """The bitwise AND of ``value`` over every rank (one 8-byte ``all_reduce``)."""
+        return self.all_reduce_and(int(value))
+
+    # -- agreement: the one way ranks settle an outcome (every save, copy, repair and load) ---
+    def agree(self, status: Status, ident: SaveIdentity, what: str, error: str | None = None,
+              drifts: list[str] | None = None, gather_drifts: bool = False) -> Agreement:
+        """Every rank, together: agree on the outcome of ``what`` (a save, a copy, a repair).
+
+        One 8-byte ``all_reduce`` of the status word (:func:`~solosave._src.coordination.status.encode_status`:
+        this rank's ``status`` and the identity ``ident`` of what it runs); ranks that ran
+        different things raise :class:`OutOfStep`, every one of them, with one wording. Only when
+        the agreed status is FAILED does a second collective gather every rank's ``error``
+        (``None`` where it had none); only when it is DRIFT and ``gather_drifts`` are the
+        ``drifts`` gathered. The result is the same on every rank."""
+        agreed = decode_status(self.all_reduce_and(encode_status(status, ident)), ident)
+        if agreed is None:
+            raise OutOfStep(f"this rank's {what} met a different one of another rank in the status all_reduce "
+                            "(the ranks are out of step)")
+        if agreed is Status.FAILED:
+            return Agreement(agreed, {r: e for r, e in enumerate(self.all_gather_object(error)) if e is not None})
+        if agreed is Status.DRIFT and gather_drifts:
+            return Agreement(agreed, drifts={r: d for r, d in enumerate(self.all_gather_object(drifts)) if d})
+        return Agreement(agreed)
+
+    def agree_flags(self, flags: int, ident: SaveIdentity) -> int | None:
+        """Every rank, together: the AND of two independent flags (bits 0-1) over every rank,
+        with the identity ``ident`` checked as in :meth:`agree`: ``None`` (on every rank) when
+        the ranks did not all contribute a word of ``ident``. One 8-byte ``all_reduce``."""
+        return decode_flags(self.all_and(encode_flags(flags, ident)), ident)
+
+    def agree_setup(self, ok: bool, durable: bool, ranks_per_host: int) -> SetupAgreement:
+        """Every rank, together, once per ``AsyncCheckpointer``: the set-up word
+        (:func:`~solosave._src.coordination.status.encode_setup`), one 8-byte agreement."""
+        return decode_setup(self.all_and(encode_setup(ok, durable, ranks_per_host)))
+
+    def agree_ok(self, error: Any, known_failed: bool = False) -> dict[int, Any]:
+        """Every rank, together: whether every rank succeeded (one 8-byte ``all_reduce``, skipped
+        when the caller already agreed that one failed: ``known_failed``); only if one did not,
+        every rank's ``error`` (``None``: none; picklable) is gathered. Returns ``{rank: error}``
+        of the ranks that failed (empty: every rank succeeded), the same on every rank."""
+        if not known_failed and self.all_and(int(error is None)) == 1:
+            return {}
+        return {r: e for r, e in enumerate(self.all_gather_object(error)) if e is not None}
+
+    def publish_by_coordinator(self, seq: int, publish: Callable[[], str | None],
+                               previous: int | None = None) -> str | None:
+        """After an agreed ok: the coordinator runs ``publish()`` (returns its error, ``None`` when
+        published) and posts a receipt (:meth:`post_receipt`, a store key: not a collective);
+        every other rank waits for it, bounded by :attr:`timeout`. Returns the coordinator's
+        error on every rank. Raises :class:`ChannelError` when the receipt could not be posted or
+        never came (the caller decides what the rank can still tell)."""
+        if self.is_coordinator:
+            error = publish()
+            self.post_receipt(seq, error, previous)
+            return error
+        return self.wait_receipt(seq, self.timeout)
 
     # -- point to point (peer copies of two tiers: file bytes between two hosts) ---------------
     def exchange(self, dst: int | None, payload: bytes | None, src: int | None, nbytes: int) -> bytes | None:

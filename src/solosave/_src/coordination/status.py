@@ -2,7 +2,8 @@
 
 It carries the rank's status (failed / drifted / ok) and the identity of the save it is running,
 so the one 8-byte collective of a reuse save both agrees on the outcome and detects ranks that
-are out of step. Pure functions; re-exported by ``dist/protocol.py``.
+are out of step. Pure functions; re-exported by ``coordination/protocol.py``. The set-up word of an
+``AsyncCheckpointer`` (:func:`encode_setup`) lives here too: one more word of the same kind.
 """
 
 from __future__ import annotations
@@ -94,3 +95,25 @@ def decode_flags(word: int, ident: SaveIdentity) -> int | None:
     else:  # a wildcard: every rank a wildcard, or the others agree among themselves
         ok = (d == d_c == _HALF_MASK) or (d_c == (~d & _HALF_MASK))
     return code if ok else None
+
+
+class SetupAgreement(NamedTuple):
+    """What the set-up word of every rank's ``AsyncCheckpointer`` settled (the same everywhere):
+    whether every rank set up, whether every rank or none has a durable tier, and whether every
+    rank has the same peer copies' ranks per host (the last two are meaningful when ``ok``)."""
+
+    ok: bool
+    same_durable: bool
+    same_ranks_per_host: bool
+
+
+# bit 0 set up here; bit 1 durable_root here, bit 2 none (after the AND, both 0: some ranks only);
+# bits 8-23 the peer copies' ranks per host, bits 24-39 its complement: equal on every rank exactly
+# when the AND gives back the value and its complement.
+def encode_setup(ok: bool, durable: bool, ranks_per_host: int) -> int:
+    hosts = ranks_per_host & 0xFFFF
+    return int(ok) | (0b010 if durable else 0b100) | hosts << 8 | (~hosts & 0xFFFF) << 24
+
+
+def decode_setup(word: int) -> SetupAgreement:
+    return SetupAgreement(bool(word & 1), bool(word & 0b110), (word >> 8) & 0xFFFF == ~(word >> 24) & 0xFFFF)

@@ -215,10 +215,9 @@ def finish(job: SaveJob, plan: GlobalPlan, reports: list[WriteReport], settings:
                                               "torch_version": torch.__version__}, index_body)
         if blob is not None:
             prepared = _persist_prepared(blob, settings, warnings)
-        index_warning = io.write_index(job, lambda: (index_body, template), save_id, timings)
+        index_warning = io.publish(job, data, lambda: (index_body, template), save_id, timings)
         if index_warning is not None:
             warnings.append(index_warning)
-        io.publish(job, data, timings)
         return Finished(FinishNotice({}, prepared, True), made, tuple(warnings))
     except Exception as e:  # noqa: BLE001 - reported to every rank
         return Finished(FinishNotice({io.rank: f"publishing failed: {describe(e)}"}, None, False),

@@ -7,10 +7,11 @@ no collective. Per save, in this order:
 1. every rank writes its data files: :meth:`RankIO.write` (collective path: the items the
    coordinator assigned to it) or :meth:`RankIO.write_prepared` (reuse path: the layout the
    prepared metadata gives it);
-2. the coordinator only: :meth:`RankIO.write_index` (the load index; a failure is a warning,
-   returned), then :meth:`RankIO.publish` (``.metadata``, last, atomically). On the reuse path the
-   coordinator instead stages ``.metadata`` beside its data write (:meth:`RankIO.make_directory`,
-   :meth:`RankIO.write_index`, :meth:`RankIO.stage_metadata`, on a thread) and renames it in.
+2. the coordinator only: :meth:`RankIO.publish` (the load index, then ``.metadata``, last,
+   atomically: :func:`~solosave._src.write.publish.commit_checkpoint`). On the reuse path the
+   coordinator instead stages both beside its data write (:meth:`RankIO.make_directory`, then
+   :meth:`RankIO.stage`, on a thread) and publishes the staged ``.metadata`` once every rank
+   agreed.
 
 Between saves it keeps the tensor records of the last save (views of the staging buffer's
 mapping) and the reuse write of the last structure (:class:`ReuseProgram`): a save of an
@@ -27,14 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from solosave._src.coordination.protocol import ItemSpec, PlacedItem, ReusePlan, SaveJob, StagedItem, WriteResult
-from solosave._src.core.errors import describe
 from solosave._src.formats.dcp import data_file_problem
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.index import writer as index
 from solosave._src.staging.buffer import BufferReader
-from solosave._src.storage.base import Commit
-from solosave._src.storage.registry import backend_for, storage_for
-from solosave._src.write.publish import publish_metadata, stage_metadata, unpublish
+from solosave._src.storage.registry import storage_for
+from solosave._src.write.publish import StagedCheckpoint, commit_checkpoint, stage_checkpoint, unpublish
 from solosave._src.write.writer import FileWriter, Record
 
 Files = list[tuple[str, list[Record]]]
@@ -111,8 +110,9 @@ class RankIO:
             if why is not None:
                 raise ValueError(f"refusing to write {why}")
         t0 = time.perf_counter()
-        storage_for(job.directory, self.storage_options).makedirs(job.directory)
-        unpublish(job.directory, self.storage_options)  # never an old .metadata next to new data
+        storage = storage_for(job.directory, self.storage_options)
+        storage.makedirs(job.directory)
+        unpublish(storage, os.fspath(job.directory))
         self.last_files = ()
         try:
             results = self.writer.write_files(job.directory, todo)
@@ -166,37 +166,31 @@ class RankIO:
         """Create ``job``'s directory (where it has directories)."""
         storage_for(job.directory, self.storage_options).makedirs(job.directory)
 
-    def write_index(self, job: SaveJob, source: Callable[[], tuple[bytes | None, MetadataTemplate]],
-                    save_id: str, timings: dict[str, float]) -> str | None:
-        """Coordinator, before :meth:`publish`: the load index of the ``.metadata`` that the
-        template renders with ``save_id`` (``index/writer``; ``source()``: the index body, ``None``
-        for none, and the template). The index only speeds loads up: a failure to read its body
-        or to write it is returned as a warning, else ``None`` (loads then read ``.metadata``; an
-        index left by an earlier save does not match this ``.metadata``'s ``save_id`` and is
-        not used)."""
-        if not backend_for(job.directory).load_index:  # loads there read .metadata
-            return None
-        t0 = time.perf_counter()
-        warning = None
-        try:
+    def _index(self, job: SaveJob, source: Callable[[], tuple[bytes | None, MetadataTemplate]],
+               save_id: str) -> Callable[[], bytes | None]:
+        """The load index of the ``.metadata`` that the template renders with ``save_id``, built
+        when written (``source()``: the index body, ``None`` for none, and the template)."""
+        def build() -> bytes | None:
             body, template = source()
-            if body is None:
-                return None
-            index.write(job.directory, index.render(body, template, os.fspath(job.directory), save_id),
-                        fsync=self.writer.fsync, storage_options=self.storage_options)
-        except Exception as e:  # noqa: BLE001 - the checkpoint is complete without it
-            warning = (f"the load index of {job.directory} was not written ({describe(e)}); "
-                       "loads of this checkpoint read the whole .metadata")
-        timings["publish"] += time.perf_counter() - t0
-        return warning
+            return None if body is None else index.render(body, template, os.fspath(job.directory), save_id)
+        return build
 
-    def publish(self, job: SaveJob, data: bytes | Sequence[bytes], timings: dict[str, float]) -> None:
-        """Coordinator: write ``.metadata`` last, atomically."""
+    def publish(self, job: SaveJob, data: bytes | Sequence[bytes],
+                source: Callable[[], tuple[bytes | None, MetadataTemplate]], save_id: str,
+                timings: dict[str, float]) -> str | None:
+        """Coordinator: the load index, then ``.metadata``, last, atomically
+        (:func:`~solosave._src.write.publish.commit_checkpoint`). Returns the index's warning
+        (loads then read ``.metadata``); raises if ``.metadata`` could not be written."""
         t0 = time.perf_counter()
-        publish_metadata(job.directory, data, fsync=self.writer.fsync, storage_options=self.storage_options)
-        timings["publish"] += time.perf_counter() - t0
+        try:
+            return commit_checkpoint(storage_for(job.directory, self.storage_options), os.fspath(job.directory),
+                                     data, self._index(job, source, save_id), fsync=self.writer.fsync)
+        finally:
+            timings["publish"] += time.perf_counter() - t0
 
-    def stage_metadata(self, job: SaveJob, data: Sequence[bytes]) -> Commit:
-        """Coordinator: ``.metadata``'s bytes in a temporary file beside it; the caller finishes
-        (renames it in) or discards it."""
-        return stage_metadata(job.directory, data, fsync=self.writer.fsync, storage_options=self.storage_options)
+    def stage(self, job: SaveJob, data: Sequence[bytes], source: Callable[[], tuple[bytes | None, MetadataTemplate]],
+              save_id: str) -> StagedCheckpoint:
+        """Coordinator: :meth:`publish` in two steps (the index written and ``.metadata``'s bytes
+        staged now; the caller finishes or discards the result)."""
+        return stage_checkpoint(storage_for(job.directory, self.storage_options), os.fspath(job.directory), data,
+                                self._index(job, source, save_id), fsync=self.writer.fsync)

@@ -28,7 +28,6 @@ import os
 import threading
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -41,17 +40,15 @@ from solosave._src.coordination.protocol import (
     SaveKind,
     Status,
     WriteResult,
-    decode_status,
-    encode_status,
 )
-from solosave._src.core.errors import ChannelError, OutOfStep, PreparedMetadataError, describe
+from solosave._src.core.errors import ChannelError, PreparedMetadataError, describe
 from solosave._src.engine.collective import MadeTemplate, run_collective
 from solosave._src.engine.rank_io import RankIO
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.plan.layout import check_layout
 from solosave._src.prepared.prepared import PreparedMetadata
-from solosave._src.storage.base import Commit
 from solosave._src.storage.registry import storage_for
+from solosave._src.write.publish import StagedCheckpoint
 
 
 def run_reuse(channel: Channel, settings: EngineSettings, io: RankIO, job: SaveJob,
@@ -68,20 +65,14 @@ def run_reuse(channel: Channel, settings: EngineSettings, io: RankIO, job: SaveJ
         if status is Status.OK and channel.is_coordinator:
             drifts = _template_drift(prepared)
             status = Status.DRIFT if drifts else status
-        agreed = decode_status(channel.all_reduce_and(encode_status(status, job.identity)), job.identity)
-        if agreed is None:
-            raise OutOfStep(f"this rank's save {job.seq} to {job.directory} met a different save "
-                            "of another rank in the status all_reduce")
-        if agreed == Status.OK:
+        agreed = channel.agree(status, job.identity, f"save {job.seq} to {job.directory}", error=err,
+                               drifts=drifts, gather_drifts=settings.on_layout_drift == "raise")
+        if agreed.status is Status.OK:
             out = _publish(channel, io, job, prepared, results, save_id, ahead, timings)
-        elif agreed == Status.FAILED:
-            reports = channel.all_gather_object(err)
-            out = JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.FAILED,
-                             failures={r: e for r, e in enumerate(reports) if e is not None})
+        elif agreed.status is Status.FAILED:
+            out = JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.FAILED, failures=agreed.failures)
         elif settings.on_layout_drift == "raise":
-            reports = channel.all_gather_object(drifts)
-            out = JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.DRIFT,
-                             drifts={r: d for r, d in enumerate(reports) if d})
+            out = JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.DRIFT, drifts=agreed.drifts)
         else:  # results: what this rank already wrote (None if it wrote nothing); the fallback keeps it
             out, made = run_collective(channel, settings, io, job, timings, prewritten=results, drifts=drifts)
     finally:
@@ -122,8 +113,9 @@ def _publish(channel: Channel, io: RankIO, job: SaveJob, prepared: Any, results:
     """Every rank wrote the prepared layout (and the coordinator the load index): the
     coordinator publishes (renames the ``.metadata`` its thread staged, else writes it now) and
     posts a receipt; the other ranks wait for it (bounded)."""
-    error = None
-    if channel.is_coordinator:
+    warnings: list[str] = []
+
+    def publish() -> str | None:
         staged = None
         if ahead is not None:
             t0 = time.perf_counter()
@@ -135,25 +127,32 @@ def _publish(channel: Channel, io: RankIO, job: SaveJob, prepared: Any, results:
                 staged.finish()
                 timings["publish"] += time.perf_counter() - t0
             else:
-                io.publish(job, prepared.template.render_parts(os.fspath(job.directory), save_id), timings)
+                template = prepared.template
+                warning = io.publish(job, template.render_parts(os.fspath(job.directory), save_id),
+                                     lambda: (prepared.index_body, template), save_id, timings)
+                warnings.extend([warning] if warning is not None else [])
         except Exception as e:  # noqa: BLE001 - reported to every rank through the receipt
-            error = f"publishing failed: {describe(e)}"
+            return f"publishing failed: {describe(e)}"
         finally:
             if staged is not None:  # published (finish() ran) or not: never a file left behind
                 staged.discard()
-        try:
-            channel.post_receipt(job.seq, error)
-        except ChannelError as e:
-            raise ReceiptLost(str(e), error is None) from e
-    else:
-        try:
-            error = channel.wait_receipt(job.seq, channel.timeout)
-        except ChannelError as e:  # the coordinator may have published before it stopped answering
-            raise ReceiptLost(str(e), _metadata_seen(io, job)) from e
+        return None
+
+    ran: list[str | None] = []  # the coordinator's publish() result, once it ran
+
+    def publish_once() -> str | None:
+        ran.append(publish())
+        return ran[-1]
+
+    try:
+        error = channel.publish_by_coordinator(job.seq, publish_once)
+    except ChannelError as e:  # the coordinator knows; the others know once .metadata is there
+        raise ReceiptLost(str(e), (ran[-1] is None) if ran else _metadata_seen(io, job)) from e
     ok = error is None
     return JobOutcome(job.seq, ok, SaveKind.REUSE, None if ok else ErrorKind.FAILED,
                       bytes_written=sum(r[3] for r in results or ()),
-                      failures={} if ok else {channel.coordinator: error}, published=ok)
+                      failures={} if ok else {channel.coordinator: error}, published=ok,
+                      warnings=tuple(warnings))
 
 
 def _metadata_seen(io: RankIO, job: SaveJob) -> bool | None:
@@ -206,7 +205,7 @@ def _template_drift(prepared: PreparedMetadata | None) -> list[str]:
 def _start_ahead(channel: Channel, io: RankIO, job: SaveJob, prepared: PreparedMetadata | None,
                  save_id: str) -> Ahead | None:
     """Coordinator of a reuse save: while this rank writes its data, a thread writes the load
-    index and stages ``.metadata`` (:meth:`RankIO.stage_metadata`). :func:`_publish` takes the
+    index and stages ``.metadata`` (:meth:`RankIO.stage`). :func:`_publish` takes the
     staged file and renames it into place; any other outcome discards it."""
     if not channel.is_coordinator or prepared is None or job.abort is not None:
         return None
@@ -217,13 +216,14 @@ def _start_ahead(channel: Channel, io: RankIO, job: SaveJob, prepared: PreparedM
             io.make_directory(job)
         except Exception:  # noqa: BLE001 - the data write or the reuse path meets (and reports) the same error
             return
-        warning = io.write_index(job, lambda: (prepared.index_body, template), save_id, defaultdict(float))
-        if warning is not None:
-            ahead.warn(warning)
         try:
-            ahead.offer(io.stage_metadata(job, template.render_parts(os.fspath(job.directory), save_id)))
-        except Exception:  # noqa: BLE001,S110 - publishing writes it whole, and reports its error
-            pass
+            staged = io.stage(job, template.render_parts(os.fspath(job.directory), save_id),
+                              lambda: (prepared.index_body, template), save_id)
+        except Exception:  # noqa: BLE001 - publishing writes it whole, and reports its error
+            return
+        if staged.index_warning is not None:
+            ahead.warn(staged.index_warning)
+        ahead.offer(staged)
 
     return Ahead(run)
 
@@ -236,14 +236,14 @@ class Ahead:
 
     def __init__(self, run: Callable[[Ahead], None]) -> None:
         self._lock = threading.Lock()
-        self._staged: Commit | None = None
+        self._staged: StagedCheckpoint | None = None
         self._warnings: list[str] = []
         self._taken = False
         self._deadline: float | None = None
         self.thread = threading.Thread(target=run, args=(self,), name="solosave-ahead", daemon=True)
         self.thread.start()
 
-    def offer(self, staged: Commit) -> None:
+    def offer(self, staged: StagedCheckpoint) -> None:
         with self._lock:
             if not self._taken:
                 self._staged = staged
@@ -261,7 +261,7 @@ class Ahead:
         with self._lock:
             return tuple(self._warnings)
 
-    def take(self, timeout: float) -> Commit | None:
+    def take(self, timeout: float) -> StagedCheckpoint | None:
         """Wait for the thread (every call together waits at most ``timeout`` seconds) and take
         what it staged; the caller finishes or discards it. Later offers are discarded."""
         if self._deadline is None:

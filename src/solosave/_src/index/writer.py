@@ -39,7 +39,6 @@ it (length and ``save_id``: a few bytes read); a stale, foreign or corrupt index
 from __future__ import annotations
 
 import json
-import os
 import struct
 import zlib
 from collections.abc import Mapping
@@ -54,12 +53,11 @@ from torch.distributed.checkpoint.metadata import (
 from solosave._src.core.errors import IndexUnusable
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_VERSION, dtype_name, index_key
 from solosave._src.formats.metadata_template import MetadataTemplate, pickled_str
-from solosave._src.storage.registry import storage_for
 
 if TYPE_CHECKING:  # plan/columns is above index: named for the annotations only
     from solosave._src.plan.columns import ChunkTable, ResultColumns
 
-__all__ = ["INDEX_FILE", "body_from_columns", "body_from_metadata", "render", "shifted", "write"]
+__all__ = ["INDEX_FILE", "body_from_columns", "body_from_metadata", "render", "shifted"]
 
 MAGIC = b"SOLOSAVE-INDEX\n"
 VERSION = 1
@@ -198,10 +196,3 @@ def shifted(data: bytes, delta: int) -> bytes:
     except (ValueError, KeyError, TypeError) as e:
         raise IndexUnusable(f"the load index's header is corrupt ({e})") from e
     return b"".join([data[:start], json.dumps(header, sort_keys=True).encode(), data[end:]])
-
-
-def write(directory: str | os.PathLike, data: bytes, fsync: bool = True,
-          storage_options: Mapping[str, Any] | None = None) -> None:
-    """Write ``directory/.solosave-index`` (coordinator, before ``.metadata``), atomically."""
-    st = storage_for(directory, storage_options)
-    st.commit(st.join(directory, INDEX_FILE), data, fsync=fsync)

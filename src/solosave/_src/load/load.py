@@ -42,7 +42,14 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.futures import Future
 
 from solosave._src.coordination.channel import DistChannel
-from solosave._src.core.errors import CorruptCheckpointError, IndexUnusable, PreparedMetadataError, UnsafeMetadataError
+from solosave._src.coordination.status import save_identity
+from solosave._src.core.errors import (
+    CorruptCheckpointError,
+    IndexUnusable,
+    OutOfStep,
+    PreparedMetadataError,
+    UnsafeMetadataError,
+)
 from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_FILE, check_ranges, local_file_problem
 from solosave._src.formats.metadata_check import loads_metadata
@@ -388,7 +395,11 @@ def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: Safe
         return None if loaded else False
     # One agreement for both questions: did every rank load, and did every rank have a usable
     # index? Bit 0: no error here; bit 1: loaded through the index.
-    both = DistChannel(process_group).all_and(int(error is None) | int(loaded) << 1)
+    both = DistChannel(process_group).agree_flags(int(error is None) | int(loaded) << 1,
+                                                  save_identity(0, os.fspath(path)))
+    if both is None:
+        raise OutOfStep(f"solosave.load: the ranks are not all loading {os.fspath(path)} (call it on every rank "
+                        "of the process group, with the same checkpoint)")
     if not both & 1:
         error = _agree(error, process_group, known_failed=True)
         raise error if error is not None else RuntimeError("internal: a rank failed to load and reported no error")
@@ -493,15 +504,13 @@ def _agree(error: Exception | None, process_group: Any, known_failed: bool = Fal
     (``DistChannel.all_and``; skipped when it is ``known_failed``); only then the errors travel
     in an ``all_gather_object``."""
     ch = DistChannel(process_group)
-    if not known_failed and ch.all_and(int(error is None)) == 1:
-        return None
     mine: Exception | None = error
     if error is not None:
         try:
             pickle.loads(pickle.dumps(error))
         except Exception:  # noqa: BLE001 - an exception that does not travel: send its text
             mine = RuntimeError(f"{type(error).__name__}: {error}")
-    failed = [(r, e) for r, e in enumerate(ch.all_gather_object(mine)) if e is not None]
+    failed = sorted(ch.agree_ok(mine, known_failed).items())
     if not failed:
         return None
     rank, exc = min(failed, key=lambda f: (not isinstance(f[1], _OURS), f[0]))

@@ -214,23 +214,19 @@ class AsyncCheckpointer:
         except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
             prepared, error = None, e
         ch = DistChannel(self.process_group, self._setup_counter)
-        tiers = 0b010 if self.options.durable_root else 0b100
-        # bits 8-23 the peer copies' ranks per host, bits 24-39 its complement: equal on every
-        # rank exactly when the AND gives back the value and its complement
-        hosts = self._ranks_per_host & 0xFFFF
-        agreed = ch.all_and(int(error is None) | tiers | hosts << 8 | (~hosts & 0xFFFF) << 24)
-        if agreed & 1:  # every rank set up: a mismatch is seen by every rank alike
-            if not agreed & 0b110:
+        agreed = ch.agree_setup(error is None, bool(self.options.durable_root), self._ranks_per_host)
+        if agreed.ok:  # every rank set up: a mismatch is seen by every rank alike
+            if not agreed.same_durable:
                 raise ValueError("durable_root is set on some ranks only: pass the same durable_root (or none) "
                                  "to the AsyncCheckpointer of every rank")
-            if (agreed >> 8) & 0xFFFF != ~(agreed >> 24) & 0xFFFF:
+            if not agreed.same_ranks_per_host:
                 raise ValueError("peer_copy or ranks_per_host differs between ranks: pass the same to the "
                                  "AsyncCheckpointer of every rank (LOCAL_WORLD_SIZE must be the same on every host)")
             return prepared
-        reports = ch.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        reports = ch.agree_ok(None if error is None else f"{type(error).__name__}: {error}", known_failed=True)
         if error is not None:
             raise error
-        rank, why = next((r, m) for r, m in enumerate(reports) if m is not None)
+        rank, why = min(reports.items())
         raise PreparedMetadataError(f"rank {rank} could not set up its AsyncCheckpointer: {why} (every rank "
                                     "must be able to read the prepared metadata; no rank started a worker)")
 

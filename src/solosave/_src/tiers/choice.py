@@ -6,7 +6,7 @@ every rank reads the durable copy. Who calls what (every rank of the process gro
 torch.distributed is initialised; alone otherwise):
 
 * :func:`choose_copy` (``solosave.load(..., durable_root=)``): :func:`complete_here` on this
-  rank -> **one** 8-byte ``all_reduce`` (``DistChannel.all_and``) of a word with that bit and
+  rank -> **one** 8-byte ``all_reduce`` (``DistChannel.agree_flags``) of a word with that bit and
   the checkpoint's identity -> the same path on every rank.
 * :func:`choose_restore_point` (``integrations.find_restore_point``): candidates, newest first
   (each rank lists both tiers) -> per candidate, one 8-byte ``all_reduce`` of (complete on the
@@ -30,7 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from solosave._src.coordination.channel import DistChannel
-from solosave._src.coordination.status import decode_flags, encode_flags, save_identity
+from solosave._src.coordination.status import save_identity
 from solosave._src.core.errors import IndexUnusable
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.index.reader import LoadIndex
@@ -87,7 +87,7 @@ def _agree(flags: int, step: int, name: str, process_group: Any) -> int | None:
     if not (dist.is_available() and dist.is_initialized()):
         return flags
     ident = save_identity(step, name)
-    return decode_flags(DistChannel(process_group).all_and(encode_flags(flags, ident)), ident)
+    return DistChannel(process_group).agree_flags(flags, ident)
 
 
 def choose_copy(path: str | os.PathLike, durable_root: str | os.PathLike, process_group: Any = None,

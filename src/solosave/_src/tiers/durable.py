@@ -34,6 +34,7 @@ without a collective, naming the reason (the checkpointer must be recreated, as 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -47,8 +48,6 @@ from solosave._src.coordination.protocol import (
     DurableOutcome,
     SaveIdentity,
     Status,
-    decode_status,
-    encode_status,
     save_identity,
 )
 from solosave._src.core.errors import ChannelError, IndexUnusable, OutOfStep, describe
@@ -58,12 +57,15 @@ from solosave._src.index.writer import shifted
 from solosave._src.storage.copy import stream_into
 from solosave._src.storage.registry import backend_for, storage_for
 from solosave._src.tiers.peer_copy import copy_to_peer
+from solosave._src.write.publish import commit_checkpoint, unpublish
 from solosave._src.write.writer import FileWriter
 
 #: Copies queued or running at once per rank; a save whose copy would exceed it first waits (in
 #: the background, before its own write) for the oldest to end, so the fast tier holds at most
 #: this many checkpoints that wait for their copy.
 MAX_PENDING = 2
+
+log = logging.getLogger("solosave")
 
 
 def durable_directory(root: str, directory: str) -> str:
@@ -224,22 +226,20 @@ class Copier:
         """Steps 2-3: the status word, then publication (ok) or the errors (failed)."""
         ch = self.channel
         status = Status.OK if error is None else Status.FAILED
-        agreed = decode_status(ch.all_reduce_and(encode_status(status, task.identity)), task.identity)
-        if agreed is None:
-            raise OutOfStep(f"this rank's durable copy of save {task.seq} met another rank's copy of a "
-                            "different save in the status all_reduce")
-        if agreed != Status.OK:
-            reports = ch.all_gather_object(error)
-            return {r: e for r, e in enumerate(reports) if e is not None}, 0
-        published, error = 0, None
-        if ch.is_coordinator:
+        agreed = ch.agree(status, task.identity, f"durable copy of save {task.seq}", error=error)
+        if agreed.status is not Status.OK:
+            return agreed.failures, 0
+        published = 0
+
+        def publish() -> str | None:
+            nonlocal published
             try:
                 published = publish_copy(task.source, task.target, self.storage_options, self.writer.fsync)
             except Exception as e:  # noqa: BLE001 - reported to every rank through the receipt
-                error = f"publishing the durable copy {task.target} failed: {describe(e)}"
-            ch.post_receipt(task.seq, error, previous=self._last_receipt)
-        else:
-            error = ch.wait_receipt(task.seq, ch.timeout)
+                return f"publishing the durable copy {task.target} failed: {describe(e)}"
+            return None
+
+        error = ch.publish_by_coordinator(task.seq, publish, previous=self._last_receipt)
         self._last_receipt = task.seq
         return ({} if error is None else {ch.coordinator: error}), published
 
@@ -254,7 +254,7 @@ class Copier:
                 raise FileExistsError(f"{task.target} already holds a complete checkpoint, which a durable copy "
                                       "never replaces unless the save passed overwrite=True; remove it or save "
                                       "under another name")
-            dst.remove(marker)
+            unpublish(dst, task.target)
         if not self.writer.checksums:  # a stale sidecar of a replaced copy would mislead verify
             for rel in task.files:
                 dst.remove(checksum_path(dst.join(task.target, rel)))
@@ -295,17 +295,16 @@ def publish_copy(source: str, target: str, storage_options: Mapping[str, Any] | 
     moved = replace_checkpoint_id(md, source, target)
     delta = 0 if moved is None else len(moved) - len(md)
     md = md if moved is None else moved
-    written = 0
+    index = None
     if dst.load_index:
         try:
             index = shifted(src.read(src.join(source, INDEX_FILE)), delta)
         except (FileNotFoundError, IndexUnusable):  # loads there read .metadata; a stale index is not used
             index = None
-        if index is not None:
-            dst.commit(dst.join(target, INDEX_FILE), index, fsync=fsync)
-            written += len(index)
-    dst.commit(dst.join(target, METADATA_FILE), md, fsync=fsync)
-    return written + len(md)
+    warning = commit_checkpoint(dst, target, md, index, fsync=fsync)
+    if warning is not None:
+        log.warning("solosave: durable copy: %s", warning)
+    return len(md) + (len(index) if index is not None and warning is None else 0)
 
 
 __all__ = ["MAX_PENDING", "CopyTask", "Copier", "durable_directory", "publish_copy"]

@@ -35,11 +35,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from solosave._src.coordination.channel import Channel
-from solosave._src.coordination.protocol import Status, decode_status, encode_status, save_identity
+from solosave._src.coordination.protocol import Status, save_identity
 from solosave._src.coordination.transfer import PEER_FILE, Outgoing, open_whole, ring_pass
-from solosave._src.core.errors import OutOfStep, describe
+from solosave._src.core.errors import describe
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.storage.registry import storage_for
+from solosave._src.write.publish import commit_checkpoint, unpublish
 from solosave._src.write.writer import FileWriter
 
 
@@ -70,22 +71,16 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
         error = error or f"creating {directory} failed: {describe(e)}"
     res = ring_pass(ch, nxt, prv, outgoing, sink, stop)
     error = error or res.error
-    ident = save_identity(seq, "peer:" + directory)
-    agreed = decode_status(ch.all_reduce_and(encode_status(Status.OK if error is None else Status.FAILED, ident)),
-                           ident)
-    if agreed is None:
-        raise OutOfStep(f"this rank's peer copy of save {seq} met another rank's copy of a different save")
+    agreed = ch.agree(Status.OK if error is None else Status.FAILED, save_identity(seq, "peer:" + directory),
+                      f"peer copy of save {seq}", error=error)
     if ch.is_coordinator:
         ch.drop_value(key)
         ch.drop_value(key + "/digest")
-    if agreed != Status.OK:
-        reports = ch.all_gather_object(error)
-        return {r: e for r, e in enumerate(reports) if e is not None}
+    if agreed.status is not Status.OK:
+        return agreed.failures
     if publish is not None:
         try:
-            for name in (INDEX_FILE, METADATA_FILE):
-                if name in publish:
-                    st.commit(st.join(directory, name), publish[name], fsync=writer.fsync)
+            commit_checkpoint(st, directory, publish[METADATA_FILE], publish.get(INDEX_FILE), fsync=writer.fsync)
         except OSError as e:
             return {ch.rank: f"publishing {METADATA_FILE} on this host's fast tier failed: {describe(e)}"}
     return {}
@@ -149,9 +144,7 @@ def _stale_metadata_removed(st: Any, directory: str, digest: str) -> tuple[bool,
     if hashlib.sha256(here).hexdigest() == digest:
         return True, None
     try:
-        st.remove(marker)
-    except FileNotFoundError:
-        pass
+        unpublish(st, directory)
     except OSError as e:
         return False, f"removing the earlier save's {marker} failed: {describe(e)}"
     return False, None

@@ -40,6 +40,7 @@ from solosave._src.coordination.transfer import PEER_FILE, Outgoing, open_whole,
 from solosave._src.core.errors import ChannelError, describe
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.storage.registry import storage_for
+from solosave._src.write.publish import commit_checkpoint, unpublish
 
 log = logging.getLogger("solosave")
 
@@ -105,9 +106,7 @@ def repair_from_peers(directory: str, holders: Sequence[bool], ranks_per_host: i
     if here_missing:
         try:
             st.makedirs(directory)
-            st.remove(st.join(directory, METADATA_FILE))
-        except FileNotFoundError:
-            pass
+            unpublish(st, directory)
         except OSError as e:
             error = f"preparing {directory} failed: {describe(e)}"
 
@@ -128,10 +127,10 @@ def repair_from_peers(directory: str, holders: Sequence[bool], ranks_per_host: i
                 error = error or f"listing {directory} failed: {describe(e)}"
         res = ring_pass(ch, to, frm, out, sink)
         error = error or res.error
-    ok = ch.all_true(error is None)
+    ok = not ch.agree_ok(error)
     if ok and here_missing and r % L == 0:
         error = _publish(st, directory, kept)
-    ch.all_true(error is None)
+    ch.agree_ok(error)
     return error
 
 
@@ -166,9 +165,7 @@ def _publish(st: Any, directory: str, kept: Mapping[str, bytes]) -> str | None:
     if METADATA_FILE not in kept:
         return f"no {METADATA_FILE} reached this host for {directory}"
     try:
-        for name in (INDEX_FILE, METADATA_FILE):
-            if name in kept:
-                st.commit(st.join(directory, name), kept[name])
+        commit_checkpoint(st, directory, kept[METADATA_FILE], kept.get(INDEX_FILE))
     except OSError as e:
         return f"publishing {METADATA_FILE} in {directory} failed: {describe(e)}"
     return None

@@ -24,8 +24,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.storage.registry import storage_for
+from solosave._src.write.publish import unpublish
 
 log = logging.getLogger("solosave")
 
@@ -35,7 +35,7 @@ def remove_checkpoint(path: str, storage_options: Mapping[str, Any] | None = Non
     a partial checkpoint (ignored by loaders), never a published one with missing data files.
     Raises ``OSError`` when something cannot be deleted; a directory already gone is not an error."""
     storage = storage_for(path, storage_options)
-    storage.remove(storage.join(path, METADATA_FILE))
+    unpublish(storage, path)
     storage.remove_tree(path)
 
 

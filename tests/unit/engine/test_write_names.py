@@ -5,7 +5,7 @@ import dataclasses
 
 from solosave._src.coordination.protocol import ErrorKind
 from solosave._src.prepared.prepared import PreparedMetadata
-from tests.unit.save.test_engine import Ranks, state
+from tests.unit.engine.test_engine import Ranks, state
 
 
 def test_a_layout_naming_a_file_outside_the_checkpoint_is_never_written(tmp_path, monkeypatch):
