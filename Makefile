@@ -25,7 +25,7 @@ TRAIN_DIR ?= runs/train
 # starving the ranks of tests that run at once.
 TEST_JOBS ?= $(shell $(PY) -c "import os; n = len(os.sched_getaffinity(0)); print(max(2, n + n // 2))")
 
-.PHONY: train test test-slow lint wheel-smoke bench device-check test-torch-versions clean
+.PHONY: train test test-slow lint typecheck wheel-smoke bench device-check test-torch-versions clean
 
 $(TRAIN_DEPS): pyproject.toml requirements-train.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -64,6 +64,10 @@ test: $(DEV_DEPS)
 
 lint: $(DEV_DEPS)
 	$(BIN)/ruff check src tests benchmarks tools
+
+# mypy with the project's configuration ([tool.mypy] in pyproject.toml): zero errors on src/.
+typecheck: $(DEV_DEPS)
+	$(BIN)/mypy
 
 test-slow: $(DEV_DEPS)
 	$(BIN)/python -m pytest -q -m slow

@@ -159,7 +159,7 @@ def solosave_job(specs: list, directory: str, seq: int = 1, reuse: bool = False)
     planner_data = {s.fqn: ("model", s.fqn[len("model."):]) for s in specs}
     return SaveJob(seq=seq, directory=directory, mode=Mode.REUSE if reuse else Mode.COLLECTIVE,
                    staged=StagedSave(None, 0, tuple(StagedItem(s) for s in specs)),
-                   held=tuple(specs), planner_data=planner_data, make_prepared=not reuse)
+                   held=tuple(specs), planner_data=planner_data, creates_prepared=not reuse)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -213,7 +213,7 @@ def coordinator_io(workers: int, prepared_path: str | None = None) -> tuple[Any,
     from solosave._src.engine.rank_io import RankIO
     from solosave._src.write.writer import FileWriter
 
-    return EngineSettings(workers=workers, prepared_path=prepared_path), RankIO(0, FileWriter(fsync=True))
+    return EngineSettings(files_per_rank=workers, prepared_path=prepared_path), RankIO(0, FileWriter(fsync=True))
 
 
 def simulate_solosave(structure: list, world: int, workers: int, directory: str) -> Json:
@@ -285,7 +285,7 @@ def simulate_solosave(structure: list, world: int, workers: int, directory: str)
     out["result_bytes_gathered_old_form"] = sum(old_results)
     reports, out["t_unpickle_results"] = _timed(lambda: [pickle.loads(b) for b in result_payloads])
     result_payloads = None  # free it (a large object)
-    # The create save (make_prepared, a prepared file): ``finish`` checks the results cover the
+    # The create save (creates_prepared, a prepared file): ``finish`` checks the results cover the
     # plan, builds the Metadata and its template, writes the sectioned prepared file from them,
     # publishes ``.metadata`` (fsync) and returns the notice that carries a reference to the
     # prepared file to every rank (each reads its own section, as at start-up: measure_startup).

@@ -27,7 +27,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # before any test module imports torc
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def worker_zygote(tmp_path_factory):
     """One worker zygote per pytest process (``worker/zygote.py``): the suite's checkpointers get
     their workers as forks of it instead of fresh interpreters, each of which imported torch
@@ -35,7 +35,10 @@ def worker_zygote(tmp_path_factory):
     rank starts, so that the ranks, and the `solosave train` jobs tests start, inherit it. The
     fresh-interpreter start stays covered: ``run_ranks(..., fresh=True)``, the multi-host
     tests, ``test_zygote.py``, and `make train` and the wheel smoke test in CI.
-    ``SOLOSAVE_TEST_ZYGOTE=0`` turns it off."""
+    ``SOLOSAVE_TEST_ZYGOTE=0`` turns it off.
+
+    Started on first use only (:func:`_zygote_when_needed`): a run of unit tests alone never
+    pays for it (the zygote imports torch and DCP, seconds of one core)."""
     if os.environ.get("SOLOSAVE_TEST_ZYGOTE", "1") == "0":  # before the import, which imports torch
         yield None
         return
@@ -50,6 +53,18 @@ def worker_zygote(tmp_path_factory):
         os.environ.pop(ZYGOTE_ENV, None)
         proc.kill()
         proc.wait(10)
+
+
+_UNIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit") + os.sep
+
+
+@pytest.fixture(autouse=True)
+def _zygote_when_needed(request):
+    """The zygote for every test that may start a worker process: all but the unit tests
+    (``tests/unit``: in-process, threads), and a unit test marked ``worker``. A test that starts
+    a worker without it still runs, in a fresh interpreter (only slower)."""
+    if not str(request.node.path).startswith(_UNIT) or request.node.get_closest_marker("worker"):
+        request.getfixturevalue("worker_zygote")
 
 _ITEM_ROWS = pytest.StashKey[list]()
 _PROPERTY = "solosave_reliability_rows"  # the user_properties entry that carries a test's rows

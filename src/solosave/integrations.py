@@ -142,7 +142,7 @@ def _checkpointer_options(args: argparse.Namespace, prepared: PreparedMetadata |
     if prepared is not None:
         return options_from_args(args, CheckpointerOptions, prepared_metadata=prepared)
     return options_from_args(args, CheckpointerOptions, create_prepared_metadata=True,
-                             prepared_metadata=auto_prepared_path(args.save, world_size, args.workers))
+                             prepared_metadata=auto_prepared_path(args.save, world_size, args.files_per_rank))
 
 
 # -- the checkpoint directory ------------------------------------------------------------------
@@ -263,7 +263,7 @@ def checkpointer_from_args(args: argparse.Namespace, process_group: Any = None,
     prepared = None
     world_size = dist.get_world_size(process_group)
     if args.prepared_metadata == AUTO and resumed_from is not None:
-        prepared = prepared_for_resume(resumed_from, world_size, args.workers,
+        prepared = prepared_for_resume(resumed_from, world_size, args.files_per_rank,
                                        getattr(args, "storage_options", None))
     options = _checkpointer_options(args, prepared, world_size)
     if overrides:

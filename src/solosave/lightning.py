@@ -7,7 +7,7 @@ Swap the strategy; nothing else in the training script changes::
 
     trainer = Trainer(strategy=solosave.lightning.ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1,
-        options=solosave.CheckpointerOptions(workers=1)))     # optional: solosave's knobs
+        options=solosave.CheckpointerOptions(files_per_rank=1)))     # optional: solosave's knobs
 
 :class:`ModelParallelStrategy` (FSDP2 / tensor parallel) and :class:`FSDPStrategy` (FSDP1,
 sharded state dicts) are Lightning's strategies with their checkpoint methods replaced:
@@ -80,6 +80,14 @@ log = logging.getLogger("solosave")
 
 #: The name of the Trainer's barrier after every ``save_checkpoint``; skipped: the save is asynchronous.
 _SAVE_BARRIER = "Trainer.save_checkpoint"
+
+
+def _wrapped(model: torch.nn.Module | None) -> torch.nn.Module:
+    """The strategy's wrapped model; Lightning sets it in ``setup``, before any checkpoint."""
+    if model is None:
+        raise RuntimeError("the strategy has no model yet: checkpoints are saved and loaded after "
+                           "Trainer.fit/validate set the strategy up")
+    return model
 
 
 class _SolosaveCheckpointing:
@@ -328,12 +336,12 @@ class ModelParallelStrategy(_SolosaveCheckpointing, _LightningModelParallelStrat
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.model)
+        return get_model_state_dict(_wrapped(self.model))
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
+        return get_optimizer_state_dict(_wrapped(self.model), getattr(optimizer, "_optimizer", optimizer))
 
 
 class FSDPStrategy(_SolosaveCheckpointing, _LightningFSDPStrategy):
@@ -354,7 +362,8 @@ class FSDPStrategy(_SolosaveCheckpointing, _LightningFSDPStrategy):
         if state_dict_type != "sharded":
             raise ValueError(f"solosave.lightning.FSDPStrategy saves sharded checkpoints, got state_dict_type="
                              f"{state_dict_type!r}; drop it, or use Lightning's own FSDPStrategy for 'full'")
-        super().__init__(*args, state_dict_type="sharded", **kwargs)
+        # Lightning's positional arguments stop before state_dict_type: it cannot come twice
+        super().__init__(*args, state_dict_type="sharded", **kwargs)  # type: ignore[misc]
         self._init_checkpointing(options, writer)
 
     def setup_environment(self) -> None:
@@ -378,18 +387,19 @@ class FSDPStrategy(_SolosaveCheckpointing, _LightningFSDPStrategy):
         )
 
         return FullyShardedDataParallel.state_dict_type(
-            self.model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=False),
+            _wrapped(self.model), StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=False),
             ShardedOptimStateDictConfig(offload_to_cpu=False))
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         with self._sharded_context():
-            return self.model.state_dict()
+            return _wrapped(self.model).state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with self._sharded_context():
-            return FullyShardedDataParallel.optim_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
+            return FullyShardedDataParallel.optim_state_dict(_wrapped(self.model),
+                                                             getattr(optimizer, "_optimizer", optimizer))
 
     def _check_state(self, state: dict[str, Any]) -> None:
         sharded = [k for k, v in state[self._model_key].items() if type(v).__name__ == "ShardedTensor"]

@@ -338,7 +338,7 @@ def strategy_from_args(args: argparse.Namespace, process_group: Any = None) -> S
     the flag."""
     extra = {}
     if getattr(args, "dist_ckpt_workers", None) is not None:
-        extra["workers"] = args.dist_ckpt_workers
+        extra["files_per_rank"] = args.dist_ckpt_workers
     if getattr(args, "ckpt_assume_constant_structure", False):
         extra["assume_constant_structure"] = True
     fields = {f.name for f in dataclasses.fields(CheckpointerOptions)} - set(MEGATRON_FLAGS)

@@ -18,7 +18,7 @@ manager. Select solosave's in your ``config_registry`` function::
         )
 
 and every field can still be overridden from the command line (``--checkpoint.interval 100``,
-``--checkpoint.workers 2``, ...). How torchtitan's fields map onto solosave:
+``--checkpoint.files_per_rank 2``, ...). How torchtitan's fields map onto solosave:
 
 * ``folder`` (under the trainer's ``dump_folder``): checkpoints go to ``<folder>/iter_XXXXXXX``
   through :class:`solosave.integrations.CheckpointManager`: ``<folder>/latest`` moves, and old
@@ -42,11 +42,12 @@ and every field can still be overridden from the command line (``--checkpoint.in
   created by the first save and reused by every later one; a relative path lies in ``folder``;
   ``None``: no file, the first save of each job is collective) maps onto solosave's
   ``prepared_metadata``/``create_prepared_metadata``/``assume_constant_structure``.
-* every other field of :class:`solosave.CheckpointerOptions` (``workers``,
-  ``persistent_worker``, ``on_layout_drift``, ``timeout``, ``checksums``, ``staging_dir``,
+* every other field of :class:`solosave.CheckpointerOptions` (``files_per_rank``,
+  ``worker``, ``on_layout_drift``, ``timeout``, ``checksums``, ``staging_dir``,
   ``stage_replicas``, ...) is a field of the config too, with the same name, default and
   meaning, derived from ``CheckpointerOptions`` itself (so a new option appears here at once)
-  and validated there.
+  and validated there. ``workers`` and ``persistent_worker``, their names in solosave 0.1, stay
+  accepted as aliases.
 
 Not supported (refused by the config): Hugging Face safetensors loads and exports
 (``initial_load_in_hf``, ``last_save_in_hf``) and remote (fsspec) folders; use torchtitan's own
@@ -63,7 +64,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -128,11 +129,23 @@ class SolosaveCheckpointManager(BaseCheckpointManager):
         all_reduce). 'auto': prepared-w<world size>-n<workers>.metadata, one per topology.
         None: no file; each job's first save is collective, the later ones reuse it in memory."""
 
+        workers: int | None = None
+        """Old name of files_per_rank (solosave 0.1); set, it replaces files_per_rank."""
+
+        persistent_worker: bool | None = None
+        """Old name: True for worker='process', False for worker='thread' (solosave 0.1)."""
+
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
-            self.async_mode = self.async_mode.lower()
-            if self.async_mode not in ASYNC_MODES:
+            if self.workers is not None:
+                # both fields are declared by option_fields, which mypy does not see
+                self.files_per_rank = self.workers  # type: ignore[misc]
+            if self.persistent_worker is not None:
+                self.worker = "process" if self.persistent_worker else "thread"  # type: ignore[misc]
+            mode = str(self.async_mode).lower()  # a TOML file or a flag may give "Async"
+            if mode not in ASYNC_MODES:
                 raise ValueError(f"checkpoint.async_mode must be one of {ASYNC_MODES}, got {self.async_mode!r}")
+            self.async_mode = cast(Any, mode)
             for name in ("initial_load_in_hf", "last_save_in_hf"):
                 if getattr(self, name):
                     raise ValueError(f"checkpoint.{name}: SolosaveCheckpointManager does not read or write "
@@ -209,7 +222,8 @@ class SolosaveCheckpointManager(BaseCheckpointManager):
             self.maybe_wait_for_saving()
             failed = [d for d in manager.failures if d.step == curr_step]
             if failed:
-                raise failed[-1].error  # type: ignore[misc] - a failure always has its error
+                error = failed[-1].error
+                raise error if error is not None else SolosaveError(f"the save of step {curr_step} failed")
         return True
 
     def _states_to_save(self) -> dict[str, Any]:
@@ -301,7 +315,7 @@ class SolosaveCheckpointManager(BaseCheckpointManager):
 def prepared_metadata_path(config: SolosaveCheckpointManager.Config, folder: str, world_size: int) -> str | None:
     """The prepared metadata file that ``config`` names for a run of ``world_size`` ranks
     (``None``: keep it in memory only)."""
-    return prepared_file(config.prepared_metadata, folder, world_size, config.workers)
+    return prepared_file(config.prepared_metadata, folder, world_size, config.files_per_rank)
 
 
 def checkpointer_options(config: SolosaveCheckpointManager.Config, prepared: str | None) -> CheckpointerOptions:

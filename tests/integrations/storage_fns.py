@@ -1,4 +1,4 @@
-"""Rank functions of tests/test_storage.py (module-level: the ranks and their workers import
+"""Rank functions of tests/integrations/test_storage.py (module-level: the ranks and their workers import
 them). The ranks reach the S3 server through the AWS variables the test passes as ``env``."""
 
 from __future__ import annotations

@@ -31,12 +31,12 @@ def test_megatron_flag_names_and_defaults():
     a = parse("--save", "s", "--save-interval", 5, "--async-save", "--use-persistent-ckpt-worker",
               "--ckpt-metadata", "p.md", "--ckpt-metadata-create", "--ckpt-assume-constant-structure",
               "--dist-ckpt-workers", 2, "--keep-last", 3, "--keep-every", 10, "--load", "s")
-    assert (a.save, a.save_interval, a.async_save, a.persistent_worker, a.prepared_metadata,
-            a.create_prepared_metadata, a.assume_constant_structure, a.workers,
-            a.keep_last, a.keep_every, a.load) == ("s", 5, True, True, "p.md", True, True, 2, 3, 10, "s")
+    assert (a.save, a.save_interval, a.async_save, a.worker, a.prepared_metadata,
+            a.create_prepared_metadata, a.assume_constant_structure, a.files_per_rank,
+            a.keep_last, a.keep_every, a.load) == ("s", 5, True, "process", "p.md", True, True, 2, 3, 10, "s")
     d = parse()
-    assert not d.async_save and d.workers == 1 and d.prepared_metadata is None and d.keep_every is None
-    assert not d.persistent_worker  # Megatron's flags are opt-in; the API's default is True
+    assert not d.async_save and d.files_per_rank == 1 and d.prepared_metadata is None and d.keep_every is None
+    assert d.worker == "thread"  # Megatron's flags are opt-in; the API's default is "process"
     assert d.on_layout_drift == "fallback" and d.timeout == 600.0
     it.validate_checkpoint_args(d)
     it.validate_checkpoint_args(parse("--save", "s", "--ckpt-metadata", "p.md"))  # no constant-structure needed

@@ -193,7 +193,7 @@ def test_every_checkpointer_option_reaches_the_checkpointer():
     from solosave import CheckpointerOptions
     from solosave._src.tools.framework import ADAPTER_SET
 
-    changed = {"workers": 3, "persistent_worker": False, "on_layout_drift": "raise", "timeout": 5.0,
+    changed = {"files_per_rank": 3, "worker": "thread", "on_layout_drift": "raise", "timeout": 5.0,
                "checksums": True, "staging_dir": "/tmp/stage", "stage_replicas": True,
                "storage_options": {"anon": True}, "durable_root": "/tmp/durable", "peer_copy": True,
                "ranks_per_host": 2}
@@ -204,7 +204,9 @@ def test_every_checkpointer_option_reaches_the_checkpointer():
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"workers": 0}, "checkpoint.workers must be >= 1"),
+    ({"files_per_rank": 0}, "checkpoint.files_per_rank must be >= 1"),
+    ({"workers": 0}, "checkpoint.files_per_rank must be >= 1"),  # the old name, an alias
+    ({"worker": "fork"}, "checkpoint.worker must be one of"),
     ({"timeout": -1.0}, "checkpoint.timeout must be a positive number"),
     ({"on_layout_drift": "ignore"}, "checkpoint.on_layout_drift must be one of"),
     ({"async_mode": "sometimes"}, "checkpoint.async_mode must be one of"),
@@ -230,7 +232,10 @@ def test_selected_by_config_and_overridable_from_the_command_line():
     got = tyro.cli(TrainerLike, default=TrainerLike(checkpoint=Config(enable=True)), args=[
         "--checkpoint.interval", "7", "--checkpoint.workers", "3", "--checkpoint.async-mode", "disabled"])
     assert isinstance(got.checkpoint, Config)
-    assert (got.checkpoint.interval, got.checkpoint.workers, got.checkpoint.async_mode) == (7, 3, "disabled")
+    assert (got.checkpoint.interval, got.checkpoint.files_per_rank, got.checkpoint.async_mode) == (7, 3, "disabled")
+    new = tyro.cli(TrainerLike, default=TrainerLike(checkpoint=Config(enable=True)),
+                   args=["--checkpoint.files-per-rank", "2", "--checkpoint.worker", "thread"])
+    assert (new.checkpoint.files_per_rank, new.checkpoint.worker) == (2, "thread")
     assert got.checkpoint._owner is SolosaveCheckpointManager  # what build() constructs
 
 

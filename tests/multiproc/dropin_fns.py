@@ -3,6 +3,7 @@ exactly as DCP's (a change of import), and their checkpoints read by stock DCP."
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
@@ -78,3 +79,31 @@ def failed_save_on_every_rank(rank: int, ws: int, root: str) -> str:
         except solosave.CheckpointError as e:
             return f"future: {type(e).__name__}"
     return "no error"
+
+
+def same_id_again_and_again(rank: int, ws: int, root: str) -> dict:
+    """Saves to one checkpoint_id ("latest"), sync and async: each returns its own Metadata
+    without reading the checkpoint back (reading is made to fail here), the same on every rank,
+    and the last one is what the directory holds."""
+    import solosave._src.save.dcp_saver as dcp_saver
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the save read its checkpoint back")
+
+    dcp_saver.storage_for = no_reading  # the test's process only: a save must not read the path
+    sd = {"model": {"w": torch.arange(8.0) + rank}, "step": 0}
+    ids = []
+    with solosave.DcpSaver() as saver:
+        for step in range(6):
+            sd["step"] = step
+            if step % 2:
+                md = saver.async_save(sd, checkpoint_id=f"{root}/latest").result(timeout=120)
+            else:
+                md = saver.save(sd, checkpoint_id=f"{root}/latest")
+            assert isinstance(md, Metadata) and md.storage_meta.checkpoint_id == f"{root}/latest"
+            assert "model.w" in md.state_dict_metadata
+            ids.append(md.storage_meta.save_id)
+    dist.barrier()
+    on_disk = dcp.FileSystemReader(f"{root}/latest").read_metadata()
+    return {"ids": ids, "on_disk": on_disk.storage_meta.save_id,
+            "same_entries": sorted(on_disk.state_dict_metadata) == sorted(md.state_dict_metadata)}

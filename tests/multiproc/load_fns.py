@@ -47,7 +47,7 @@ def _state(ws: int, dims: dict[str, int], values: dict[str, torch.Tensor], step:
 def save_sharded(rank: int, ws: int, root: str) -> None:
     """Save the state at this world size with solosave (``root/solo``) and stock DCP (``root/stock``)."""
     sd = _state(ws, SAVE_DIM, full_tensors(), 41)
-    with solosave.AsyncCheckpointer(persistent_worker=False) as ckpt:
+    with solosave.AsyncCheckpointer(worker="thread") as ckpt:
         ckpt.save(sd, os.path.join(root, "solo")).wait(timeout=60)
     dcp.save(sd, checkpoint_id=os.path.join(root, "stock"))
 
@@ -119,7 +119,7 @@ def index_loads(rank: int, ws: int, root: str) -> dict:
 
     sd = _state(ws, SAVE_DIM, full_tensors(), 41)
     with solosave.AsyncCheckpointer(prepared_metadata=os.path.join(root, "prep.md"),
-                                    create_prepared_metadata=True, persistent_worker=False) as ckpt:
+                                    create_prepared_metadata=True, worker="thread") as ckpt:
         kinds = [ckpt.save(sd, os.path.join(root, name)).wait(timeout=60).mode for name in ("c0", "c1")]
     want = full_tensors()
     out: dict = {"kinds": kinds}
@@ -181,7 +181,7 @@ def same_sharding_loads(rank: int, ws: int, root: str) -> dict:
 
     want = full_tensors() | {"r": torch.arange(300 * 200, dtype=torch.float32).reshape(300, 200)}
     path = os.path.join(root, "solo")
-    with solosave.AsyncCheckpointer(persistent_worker=False) as ckpt:
+    with solosave.AsyncCheckpointer(worker="thread") as ckpt:
         ckpt.save(state(want, 41), path).wait(timeout=60)
     whole: list[str] = []
     real = sl.read_items
@@ -230,7 +230,7 @@ def partial_dtensor_loads(rank: int, ws: int, root: str) -> dict:
 
     path = os.path.join(root, "partial")
     sd = _state(ws, SAVE_DIM, full_tensors(), 41)
-    with solosave.AsyncCheckpointer(persistent_worker=False) as ckpt:
+    with solosave.AsyncCheckpointer(worker="thread") as ckpt:
         ckpt.save(sd, path).wait(timeout=60)
     mesh = init_device_mesh("cpu", (ws,))
     out: dict = {}

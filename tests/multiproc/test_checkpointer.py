@@ -114,7 +114,7 @@ def test_seam_d1_a_foreach_optimizer_step_on_dtensors_cannot_tear_an_overlapped_
 
 def test_thread_mode_on_a_subgroup_under_a_device_bound_world_is_refused(tmp_path):
     out = run_ranks(rank_fns.thread_mode_subgroup_under_a_bound_device, 2, str(tmp_path))
-    assert "persistent_worker=True" in out[0] and "device_id" in out[0], out[0]
+    assert "worker='process'" in out[0] and "device_id" in out[0], out[0]
 
 
 def test_overlapped_staging_keeps_the_values_of_the_call_and_fails_a_raced_save(tmp_path, case_log):

@@ -54,6 +54,7 @@ def test_sharded_tensors_save_and_load_back(tmp_path, case_log):
             assert o[name] == (want, [1.0, 1.0, 1.0], 1), (rank, name, o[name])
         kind, is_exception, msg = o["exists"]
         assert kind == "CheckpointExistsError" and is_exception and "already holds" in msg, o["exists"]
+        assert msg.startswith("Checkpoint already exists"), msg  # DCP's own words, which DCP code matches
     whole = {"st": torch.zeros(6, 4), "step": -1}
     solosave.load(whole, tmp_path / "c1")  # one process, as one plain tensor
     assert torch.equal(whole["st"], torch.arange(24.0).reshape(6, 4) + 100) and whole["step"] == 1

@@ -30,3 +30,11 @@ def test_a_failing_rank_fails_the_future_on_every_rank(tmp_path):
     out = run_ranks(dropin_fns.failed_save_on_every_rank, 2, str(tmp_path))
     assert out[0] == "future: CheckpointError" and out[1].startswith("raised:") and "meta.bad" in out[1]
     assert not os.path.exists(tmp_path / "c" / ".metadata")
+
+
+def test_each_save_returns_its_own_metadata_without_reading_it_back(tmp_path):
+    """Was: the save read <checkpoint_id>/.metadata back, which another rank's next save to the
+    same id may already have removed (FileNotFoundError for a published save) or replaced."""
+    out = run_ranks(dropin_fns.same_id_again_and_again, 2, str(tmp_path))
+    assert out[0]["ids"] == out[1]["ids"] and len(set(out[0]["ids"])) == 6  # one save_id per save, alike
+    assert all(o["on_disk"] == o["ids"][-1] and o["same_entries"] for o in out)

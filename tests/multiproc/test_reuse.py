@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 ONE_ALL_REDUCE = {"all_reduce": {"count": 1, "bytes": 8}}
 
 
-@pytest.mark.parametrize("ws, workers", [(4, 2)])  # ws=2: tests/test_engine.py, test_train.py
+@pytest.mark.parametrize("ws, workers", [(4, 2)])  # ws=2: tests/unit/engine/test_engine.py, test_train.py
 def test_create_then_reuse_roundtrip(tmp_path, ws, workers):
     out = run_ranks(rank_fns.create_then_reuse, ws, str(tmp_path), workers)
     for modes, colls, ckpt_id, fresh_save_id, same_layout, _ in out:

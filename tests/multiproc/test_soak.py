@@ -1,6 +1,6 @@
 """Soak: 200 consecutive reuse saves at world size 4, values changed between saves.
 
-Slow (excluded from the default run): ``.venv/bin/python -m pytest -m slow tests/test_soak.py``
+Slow (excluded from the default run): ``.venv/bin/python -m pytest -m slow tests/multiproc/test_soak.py``
 (``make test-slow``). Every checkpoint is loaded in this process and compared with its step's
 values; RSS of trainers and workers, open descriptors, child processes and /dev/shm segments are
 compared before and after.

@@ -89,3 +89,11 @@ def test_peer_copy_on_a_shared_fast_tier_sends_no_file(tmp_path):
             assert o[s]["sent"] < 1000, o[s]  # the flag, the header and the trailer: no file's bytes
         assert o["loads"] and o["equal"] and o["leftovers"] == []
         assert "not with peer copies" in o["overwrite"], o["overwrite"]
+
+
+def test_a_durable_root_that_reaches_the_fast_checkpoint_is_refused(tmp_path):
+    """Was data loss: the copy removed the fast .metadata and truncated each data file it read."""
+    out = run_ranks(tier_fns.durable_root_reaching_fast, 2, str(tmp_path), TIMEOUT, timeout=200)
+    for o in out:
+        assert len(o["errors"]) == 4 and all("would be the checkpoint itself" in e for e in o["errors"]), o["errors"]
+        assert o["loads"]

@@ -269,3 +269,33 @@ def peer_copy_shared_tier(rank: int, ws: int, root: str, timeout: float) -> dict
     out["equal"] = _copies_equal(f"{fast}/iter_1", f"{durable}/iter_1")
     out["leftovers"] = sorted(n for n in os.listdir(f"{fast}/iter_1") if not n.startswith(("__", ".")))
     return out
+
+
+def durable_root_reaching_fast(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """A durable root that resolves to the fast checkpoint's own parent (a symbolic link, a
+    ``..`` path): every overwrite save into the published checkpoint is refused on every rank,
+    by the checkpointer and by the drop-in, and the checkpoint still loads bit-exactly."""
+    _fresh(root)
+    fast = f"{root}/fast"
+    with solosave.AsyncCheckpointer(timeout=timeout) as ck:
+        ck.save(state(rank, 1), f"{fast}/iter_1").wait(timeout)
+    dist.barrier()
+    if rank == 0:
+        os.symlink(fast, f"{root}/link")
+        os.makedirs(f"{root}/other")
+    dist.barrier()
+    out: dict = {"errors": []}
+    for bad in (f"{root}/link", f"{root}/other/../fast", fast):
+        with solosave.AsyncCheckpointer(durable_root=bad, timeout=timeout) as ck:
+            try:
+                ck.save(state(rank, 2), f"{fast}/iter_1", overwrite=True).wait(timeout)
+            except (ValueError, solosave.CheckpointError) as e:
+                out["errors"].append(str(e))
+    with solosave.DcpSaver(durable_root=f"{root}/link", timeout=timeout) as saver:  # the drop-in overwrites
+        try:
+            saver.save(state(rank, 2), checkpoint_id=f"{fast}/iter_1")
+        except (ValueError, solosave.CheckpointError) as e:
+            out["errors"].append(str(e))
+    dist.barrier()
+    out["loads"] = _loads(state(rank, 1), f"{fast}/iter_1")
+    return out

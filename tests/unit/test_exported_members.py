@@ -33,6 +33,7 @@ def test_exceptions_form_the_documented_tree():
 
     assert issubclass(solosave.CheckpointExistsError, CheckpointException)
     assert issubclass(solosave.CheckpointExistsError, Exception)  # still caught by `except Exception`
+    assert str(solosave.CheckpointExistsError("it is there")) == "Checkpoint already exists: it is there"  # DCP's words
     assert not issubclass(solosave.CheckpointError, CheckpointException)
     assert issubclass(solosave.CorruptCheckpointError, solosave.SolosaveError)
     assert not issubclass(solosave.CorruptCheckpointError, solosave.CheckpointError)

@@ -1,7 +1,7 @@
 """Each of the design's invariants is written once in ``src/``; these tests find any second copy.
 
 * publishing: only ``write/publish.py`` commits, stages or removes ``.metadata`` or the load index
-  (``commit_checkpoint``, ``stage_checkpoint``, ``unpublish``); everything else calls those;
+  (``commit_checkpoint``, ``begin_publication``, ``unpublish``); everything else calls those;
 * agreeing: only ``coordination/`` encodes, reduces and decodes a status, flag or set-up word
   (``Channel.agree``, ``agree_flags``, ``agree_ok``, ``agree_setup``).
 
@@ -20,7 +20,7 @@ PUBLISH_MODULE = "_src/write/publish.py"
 #: Names that carry a checkpoint's published files.
 PUBLISHED_NAMES = {"METADATA_FILE", "INDEX_FILE"}
 #: Calls that write or remove a file.
-FILE_CALLS = {"commit", "stage_commit", "remove", "write_bytes", "unlink"}
+FILE_CALLS = {"commit", "begin_commit", "remove", "write_bytes", "unlink"}
 #: The status word's own functions, and the raw 8-byte reduction.
 WORD_CALLS = {"encode_status", "decode_status", "encode_flags", "decode_flags", "encode_setup", "decode_setup",
               "all_reduce_and"}
@@ -43,7 +43,7 @@ def breaches(root: pathlib.Path = SRC) -> list[str]:
                 if node.args or node.keywords else set()
             if name in FILE_CALLS and args & PUBLISHED_NAMES and rel != PUBLISH_MODULE:
                 found.append(f"{rel}:{node.lineno}: {name}() of {sorted(args & PUBLISHED_NAMES)[0]} outside "
-                             "write/publish.py (use commit_checkpoint / stage_checkpoint / unpublish)")
+                             "write/publish.py (use commit_checkpoint / begin_publication / unpublish)")
             if name in WORD_CALLS and not rel.startswith("_src/coordination/") and not rel.startswith("_src/testing/"):
                 found.append(f"{rel}:{node.lineno}: {name}() outside coordination/ (use Channel.agree and its kin)")
     return found

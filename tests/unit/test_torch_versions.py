@@ -48,7 +48,7 @@ case "$*" in
   *torch.__version__*) echo "{torch}";;
   *python_version*) echo "3.99.1";;
   *"-m pytest"*) echo "PYTHONPATH=$PYTHONPATH ARGS=$*" > "{calls}"
-                 echo "FAILED tests/x.py::t - boom"; echo "1 failed, 2 passed in 0.01s"; exit 1;;
+                 echo "FAILED tests/unit/test_layering.py::t - boom"; echo "1 failed, 2 passed in 0.01s"; exit 1;;
   *) exit 3;;
 esac
 """
@@ -77,7 +77,7 @@ def test_one_summary_line_per_version_from_the_configured_venvs(tmp_path):
         assert r.returncode == 1, r.stdout + r.stderr
     lines = (tmp_path / "out" / "torch-versions.txt").read_text().splitlines()
     assert len(lines) == 2, lines
-    assert re.fullmatch(r"torch 9\.9\.9: 1 failed, 2 passed in 0\.01s; FAILED tests/x\.py::t - boom "
+    assert re.fullmatch(r"torch 9\.9\.9: 1 failed, 2 passed in 0\.01s; FAILED tests/unit/test_layering\.py::t - boom "
                         r"\(Python 3\.99\.1, install \d+ s, tests \d+ s; \d{4}-\d\d-\d\d\)", lines[0]), lines[0]
     assert "torch 9.9.8: " in lines[1] and "holds torch '9.9.7', not 9.9.8" in lines[1], lines[1]
     call = calls.read_text()

@@ -75,7 +75,7 @@ def build(args: argparse.Namespace) -> RankState:
         for blk in model.blocks:
             fully_shard(blk)
         fully_shard(model)
-        train_model = model
+        train_model: torch.nn.Module = model
     else:
         train_model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(train_model.parameters(), lr=args.lr, weight_decay=0.01)

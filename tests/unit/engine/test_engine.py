@@ -54,7 +54,7 @@ class Ranks:
             s = self.sessions[r]
             path = str(self.tmp / name)
             if r in skip_seq_on:
-                s.seq += 1  # this rank's save() "timed out" earlier: it is one save ahead
+                s.seq += 1  # this rank's save() "timed out" earlier: it is one save early
             if r in abort_on:
                 job = s.abort(path, TypeError(f"a value only rank {r} holds cannot be saved"))
             else:
@@ -327,14 +327,14 @@ def test_reuse_publishes_the_metadata_it_staged_and_leaves_no_temporary_file(ran
     assert all(e.io.reuse_program is not None for e in rk.engines)
 
 
-def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_thread():
-    from solosave._src.engine.reuse import Ahead
+def test_a_metadata_written_aside_after_the_engine_stopped_waiting_is_discarded_by_its_thread():
+    from solosave._src.engine.reuse import EarlyPublication
     from solosave._src.storage.base import Commit
 
     log = []
 
     class Logged(Commit):  # a commit type that only records what was done with it
-        def _stage(self, data):
+        def _write_aside(self, data):
             pass
 
         def _finish(self):
@@ -345,15 +345,15 @@ def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_
 
     def commit(name):
         c = Logged(None, name)
-        c.stage(b"")
+        c.write_aside(b"")
         return c
 
-    on_time = Ahead(lambda ahead: ahead.offer(commit("a")))
-    staged = on_time.take(10)
+    on_time = EarlyPublication(lambda early: early.offer(commit("a")))
+    pending = on_time.take(10)
     assert log == [] and on_time.take(10) is None
-    staged.finish()
+    pending.finish()
     release = threading.Event()
-    late = Ahead(lambda ahead: release.wait(10) and ahead.offer(commit("b")))
+    late = EarlyPublication(lambda early: release.wait(10) and early.offer(commit("b")))
     assert late.take(0.2) is None  # the engine gave up waiting
     t0 = time.monotonic()
     assert late.take(5) is None  # later waits share the first one's deadline: no second wait
@@ -364,22 +364,22 @@ def test_a_metadata_staged_after_the_engine_stopped_waiting_is_discarded_by_its_
 
 
 def test_the_ahead_threads_warnings_are_kept_until_the_take_and_dropped_after():
-    from solosave._src.engine.reuse import Ahead
+    from solosave._src.engine.reuse import EarlyPublication
 
     warned, release = threading.Event(), threading.Event()
 
-    def run(ahead):
-        ahead.warn("index not written")
+    def run(early):
+        early.warn("index not written")
         warned.set()
         release.wait(10)
-        ahead.warn("too late")
+        early.warn("too late")
 
-    ahead = Ahead(run)
+    early = EarlyPublication(run)
     assert warned.wait(10)
-    assert ahead.take(0.2) is None  # the reuse path stops waiting before the second warning
+    assert early.take(0.2) is None  # the reuse path stops waiting before the second warning
     release.set()
-    ahead.thread.join(10)
-    assert ahead.warnings == ("index not written",)
+    early.thread.join(10)
+    assert early.warnings == ("index not written",)
 
 
 def _on_threads(world, fn):

@@ -1,5 +1,5 @@
 """Tests of ``solosave._src.plan.global_plan`` (in one process, no collectives): the columnar planner
-decides exactly what the per-item oracle (``tests/oracle.py``) decides, and words its errors."""
+decides exactly what the per-item oracle (``tests/unit/plan/oracle.py``) decides, and words its errors."""
 
 import pickle
 from array import array

@@ -130,7 +130,7 @@ def test_local_commit_leaves_no_temp(tmp_path):
 
 @pytest.mark.parametrize("kw, needle", [
     ({"create_prepared_metadata": True}, "create_prepared_metadata needs prepared_metadata naming the file"),
-    ({"workers": 0}, "workers must be"),
+    ({"workers": 0}, "files_per_rank must be"),
     ({"on_layout_drift": "ignore"}, "on_layout_drift"),
     ({"timeout": 0}, "timeout"),
 ])
@@ -359,7 +359,7 @@ def test_v1_file_and_plain_metadata_convert_to_the_same_layout(ckpt_dir, tmp_pat
 
 
 def test_version_2_files_are_still_read(tmp_path):
-    """A prepared file written by solosave before version 3 (tests/data/make_prepared_v2.py)
+    """A prepared file written by solosave before version 3 (tests/unit/prepared/data/make_prepared_v2.py)
     opens by sections and gives the same layout, directory and metadata as version 4."""
     from pathlib import Path
 

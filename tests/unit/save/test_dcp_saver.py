@@ -34,6 +34,6 @@ def test_checkpoint_id_is_required():
 
 
 def test_options_are_validated_when_the_saver_is_made():
-    with pytest.raises(ValueError, match="workers"):
+    with pytest.raises(ValueError, match="files_per_rank must be >= 1"):
         solosave.DcpSaver(workers=0)
     assert solosave.DcpSaver().options.assume_constant_structure  # steady saves reuse by default

@@ -18,7 +18,7 @@ SCHEME = "dict://"
 class DictCommit(Commit):
     """One assignment into the dict is the commit (like one PUT)."""
 
-    def _stage(self, data: Data) -> None:
+    def _write_aside(self, data: Data) -> None:
         self._data = bytes(joined(data))
 
     def _finish(self) -> None:

@@ -39,7 +39,7 @@ def _stores(tmp_path):
 
 
 def test_each_backend_chooses_its_commit_type(tmp_path):
-    types = [type(st.stage_commit(path, b"x")) for st, path, _ in _stores(tmp_path)]
+    types = [type(st.begin_commit(path, b"x")) for st, path, _ in _stores(tmp_path)]
     assert types == [RenameCommit, PutCommit, MoveCommit]
     assert LocalStorage.commit_type is RenameCommit
 
@@ -49,7 +49,7 @@ def test_a_crash_between_staging_and_finishing_leaves_the_old_object_or_none(tmp
     for st, path, readback in _stores(tmp_path):
         if existing:
             st.commit(path, b"old")
-        staged = st.stage_commit(path, [b"new ", b"contents"])  # pieces, written in order
+        staged = st.begin_commit(path, [b"new ", b"contents"])  # pieces, written in order
         # the process "dies" here: nothing ever finishes or discards the staged commit
         assert readback() == (b"old" if existing else None), type(staged).__name__
         del staged
@@ -60,11 +60,11 @@ def test_a_crash_between_staging_and_finishing_leaves_the_old_object_or_none(tmp
 def test_finish_publishes_discard_drops_and_the_first_one_wins(tmp_path):
     for st, path, readback in _stores(tmp_path):
         st.commit(path, b"old")
-        dropped = st.stage_commit(path, b"dropped")
+        dropped = st.begin_commit(path, b"dropped")
         dropped.discard()
         dropped.finish()  # too late: discarded
         assert readback() == b"old"
-        done = st.stage_commit(path, b"new")
+        done = st.begin_commit(path, b"new")
         done.finish()
         done.discard()  # too late: finished
         assert readback() == b"new" and done.done
@@ -72,21 +72,21 @@ def test_finish_publishes_discard_drops_and_the_first_one_wins(tmp_path):
     assert leftovers == [] and sorted(os.listdir(tmp_path / "moved")) == ["obj"]  # temporaries removed
 
 
-def test_a_commit_is_staged_once_and_finished_after_staging(tmp_path):
+def test_a_commit_is_written_aside_once_and_finished_after(tmp_path):
     c = RenameCommit(LocalStorage(), str(tmp_path / "f"))
-    with pytest.raises(RuntimeError, match="finished before it was staged"):
+    with pytest.raises(RuntimeError, match="finished before it was written aside"):
         c.finish()
-    c.stage(b"a")
-    with pytest.raises(RuntimeError, match="staged twice"):
-        c.stage(b"b")
+    c.write_aside(b"a")
+    with pytest.raises(RuntimeError, match="written aside twice"):
+        c.write_aside(b"b")
     c.finish()
     assert (tmp_path / "f").read_bytes() == b"a"
 
 
-def test_a_failed_staging_leaves_nothing(tmp_path):
+def test_a_failed_write_aside_leaves_nothing(tmp_path):
     c = RenameCommit(LocalStorage(), str(tmp_path / "f"))
     with pytest.raises(TypeError):
-        c.stage([b"ok", "not bytes"])
+        c.write_aside([b"ok", "not bytes"])
     assert os.listdir(tmp_path) == [] and c.done
     c.finish()  # nothing to publish: a no-op
     assert os.listdir(tmp_path) == []
@@ -95,7 +95,7 @@ def test_a_failed_staging_leaves_nothing(tmp_path):
 _CHILD = r"""
 import os, signal, sys
 from solosave._src.storage.local import LocalStorage
-staged = LocalStorage().stage_commit(sys.argv[1], b"new contents")
+staged = LocalStorage().begin_commit(sys.argv[1], b"new contents")
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

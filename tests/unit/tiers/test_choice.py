@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import solosave
-from solosave._src.tiers.choice import choose_copy, choose_restore_point, complete_here, durable_copy_of
+from solosave._src.tiers.choice import choose_copy, choose_restore_point, complete_here
+from solosave._src.tiers.paths import durable_copy_of
 from tests.support import dcp_save_local, publish_with_index
 
 

@@ -22,7 +22,8 @@ from solosave._src.storage.copy import stream_into
 from solosave._src.storage.local import LocalStorage
 from solosave._src.testing.introspect import job_for
 from solosave._src.testing.local_channel import local_channels
-from solosave._src.tiers.durable import Copier, CopyTask, durable_directory
+from solosave._src.tiers.durable import Copier, CopyTask
+from solosave._src.tiers.paths import durable_copy_of
 from solosave._src.write.writer import FileWriter
 from tests.support import dcp_save_local
 
@@ -37,8 +38,8 @@ def test_the_durable_root_option_and_its_flag():
     assert CheckpointerOptions().durable_root is None
     with pytest.raises(OptionError, match="durable_root must be a directory path or a URL"):
         CheckpointerOptions(durable_root=3)
-    assert durable_directory("s3://b/run/", "/nvme/ckpt/iter_0000100") == "s3://b/run/iter_0000100"
-    assert durable_directory("/lustre/run", "s3://b/x/iter_1/") == "/lustre/run/iter_1"
+    assert durable_copy_of("/nvme/ckpt/iter_0000100", "s3://b/run/") == "s3://b/run/iter_0000100"
+    assert durable_copy_of("s3://b/x/iter_1/", "/lustre/run") == "/lustre/run/iter_1"
 
 
 def _published(tmp_path, name="fast"):

@@ -23,20 +23,20 @@ def test_option_fields_are_derived_from_checkpointer_options():
     names = [f.name for f in dataclasses.fields(FrameworkConfig)]
     assert names == ["folder"] + [f.name for f in fw.forwarded_fields()]
     assert not fw.ADAPTER_SET & set(names)
-    c = FrameworkConfig(workers=2, stage_replicas=True)
+    c = FrameworkConfig(files_per_rank=2, stage_replicas=True)
     o = fw.framework_options(fw.forwarded_values(c), prepared="/r/p.md", name_of=lambda n: f"cfg.{n}")
     assert (o.workers, o.stage_replicas, o.prepared_metadata, o.create_prepared_metadata) == (2, True, "/r/p.md", True)
     assert fw.framework_options({}, prepared=None).assume_constant_structure
-    with pytest.raises(ValueError, match=r"^cfg\.workers must be >= 1"):
-        fw.framework_options(fw.forwarded_values(FrameworkConfig(workers=0)), prepared=None,
+    with pytest.raises(ValueError, match=r"^cfg\.files_per_rank must be >= 1"):
+        fw.framework_options(fw.forwarded_values(FrameworkConfig(files_per_rank=0)), prepared=None,
                              name_of=lambda n: f"cfg.{n}")
 
 
 def test_a_config_that_declares_an_option_itself_is_refused():
-    with pytest.raises(TypeError, match="declares 'workers'"):
+    with pytest.raises(TypeError, match="declares 'files_per_rank'"):
         @fw.option_fields
         class Twice:
-            workers: int = 4
+            files_per_rank: int = 4
 
 
 def test_prepared_file_lies_in_the_root():

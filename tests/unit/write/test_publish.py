@@ -11,7 +11,7 @@ from solosave._src.coordination.protocol import ItemKind, ItemSpec
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.storage.registry import storage_for
-from solosave._src.write.publish import commit_checkpoint, stage_checkpoint
+from solosave._src.write.publish import begin_publication, commit_checkpoint
 from tests.support import dcp_save_local
 from tests.unit.plan.oracle import build_metadata, build_state_dict_metadata
 
@@ -22,7 +22,7 @@ def publish_metadata(directory, data, storage_options=None):
 
 
 def stage_metadata(directory, data, storage_options=None):
-    return stage_checkpoint(storage_for(directory, storage_options), os.fspath(directory), data)
+    return begin_publication(storage_for(directory, storage_options), os.fspath(directory), data)
 
 
 def _checkpoint(tmp_path):
@@ -129,10 +129,10 @@ class _Recording:
         self.events, self.fail = [], fail
 
         class Rec(LocalStorage):
-            def stage_commit(self, path, data, fsync=True):
+            def begin_commit(self, path, data, fsync=True):
                 if os.path.basename(path) == outer.fail:
                     raise OSError(28, "No space left on device")
-                staged = super().stage_commit(path, data, fsync)
+                staged = super().begin_commit(path, data, fsync)
                 finish = staged.finish
 
                 def recorded():

@@ -25,6 +25,7 @@ deciding the next step from values every rank received).
 from __future__ import annotations
 
 import datetime
+import functools
 import pickle
 import threading
 import time
@@ -276,12 +277,13 @@ class DistChannel(Channel):
     def broadcast_object(self, obj: Any = None) -> Any:
         data = dumps(obj) if self.is_coordinator else None
         t0 = time.perf_counter()
-        box = [data]
+        box: list[Any] = [data]
         device = torch.device("cpu") if _is_gloo(self.group) else None
         self._run("broadcast_object_list",
                   lambda: dist.broadcast_object_list(box, src=self._root, group=self.group, device=device))
-        self._record("broadcast_object_list", len(box[0]), t0)
-        return pickle.loads(box[0])
+        received: bytes = box[0]
+        self._record("broadcast_object_list", len(received), t0)
+        return pickle.loads(received)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         data = dumps(obj)
@@ -308,10 +310,6 @@ class DistChannel(Channel):
             out &= int(v)
         return out
 
-    def all_true(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on every rank (:meth:`all_and` of one bit)."""
-        return self.all_and(int(bool(flag))) == 1
-
     def exchange(self, dst: int | None, payload: bytes | None, src: int | None, nbytes: int) -> bytes | None:
         t0 = time.perf_counter()
         works = []
@@ -324,7 +322,7 @@ class DistChannel(Channel):
             works.append(self._run("recv", lambda: dist.irecv(inbox, self._global(src), group=self.group)))
         limit = datetime.timedelta(seconds=self.timeout)
         for work in works:
-            if not self._run("wait", lambda w=work: w.wait(limit)):
+            if not self._run("wait", functools.partial(work.wait, limit)):
                 raise ChannelError(f"a peer transfer did not complete within {self.timeout:g} s")
         seconds = time.perf_counter() - t0
         if payload:

@@ -11,7 +11,7 @@ Trainer <-> worker, over the pipe (see ``worker/host.py``)::
     SaveJob ...                      one per save; ``None`` stops the worker
     WorkerMessage(READY | OUTCOME(JobOutcome) | DURABLE(DurableOutcome) | FATAL(text))
 
-Rank <-> rank, over the channel (``dist/channel.py``), in the order the engine sends them:
+Rank <-> rank, over the channel (``coordination/channel.py``), in the order the engine sends them:
 
     collective path:  gather PlanRequest -> scatter PlanDecision -> gather WriteReport
                       -> broadcast FinishNotice
@@ -191,7 +191,7 @@ class ChannelSpec:
 class EngineSettings:
     """Per-checkpointer settings of the background; sent once, with the worker's set-up."""
 
-    workers: int = 1
+    files_per_rank: int = 1
     #: ``"fallback"`` or ``"raise"`` (see ``CheckpointerOptions.on_layout_drift``).
     on_layout_drift: str = "fallback"
     #: The prepared file to create or refresh (coordinator); ``None``: in memory only.
@@ -230,7 +230,7 @@ class SaveJob:
     reuse: ReusePlan | None = None
     #: COLLECTIVE: the finished metadata becomes the prepared metadata (create mode, or
     #: ``assume_constant_structure``); every rank receives it.
-    make_prepared: bool = False
+    creates_prepared: bool = False
     #: REUSE: the prepared metadata, sent once per token; later jobs send only the token.
     prepared_token: int = 0
     prepared: Any = None  # a PreparedMetadata (sent when the token changes)
@@ -242,10 +242,20 @@ class SaveJob:
     durable: str | None = None
     #: ``save(..., overwrite=True)``: the durable copy may replace a published one too.
     overwrite: bool = False
+    #: The ``save_id`` its ``.metadata`` records: the same on every rank without a message (derived
+    #: from the checkpointer's run and the save's number), so that every rank can name the
+    #: checkpoint it published. Empty: the publishing coordinator draws one.
+    save_id: str = ""
 
     @property
     def identity(self) -> SaveIdentity:
         return save_identity(self.seq, None if self.abort is not None else self.directory)
+
+    def kind(self, fell_back: bool = False) -> SaveKind:
+        """What this save is (``fell_back``: a reuse save that the collective path took over)."""
+        if self.mode is Mode.REUSE:
+            return SaveKind.FALLBACK if fell_back else SaveKind.REUSE
+        return SaveKind.CREATE if self.creates_prepared else SaveKind.COLLECTIVE
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,9 +30,8 @@ def share_store_address(group: Any, counter: CollectiveCounter, timeout_s: float
         host = os.environ.get("SOLOSAVE_STORE_HOST") or os.environ.get("MASTER_ADDR") or socket.gethostname()
         listener = _listen(host)
         port = listener.getsockname()[1]
-        kw = {"is_master": True, "wait_for_workers": False, "master_listen_fd": listener.fileno(),
-              "timeout": datetime.timedelta(seconds=timeout_s)}
-        server = dist.TCPStore(host, port, **kw)
+        server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                               master_listen_fd=listener.fileno(), timeout=datetime.timedelta(seconds=timeout_s))
         store = (server, listener)  # the server serves on the listener's socket: keep both
         addr = (host, port, f"solosave/{uuid.uuid4().hex}/")
     addr = ch.broadcast_object(addr)

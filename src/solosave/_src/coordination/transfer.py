@@ -182,7 +182,8 @@ class _ChunkReader:
             with o.storage.open_read(o.path) as f:
                 while done < size:
                     want = min(self.chunk, size - done)
-                    parts, got = [], 0
+                    parts: list[bytes] = []
+                    got = 0
                     while got < want:
                         data = f.read(want - got)
                         if not data:

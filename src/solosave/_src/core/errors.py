@@ -103,7 +103,13 @@ class CheckpointExistsError(SolosaveError, FileExistsError, CheckpointException)
     a ``FileExistsError`` and a DCP ``CheckpointException`` (see the module docstring), whose
     ``failures`` is empty here: no rank failed, the save was refused."""
 
+    #: The words of DCP's own error (``FileSystemWriter`` with ``overwrite=False``), which code
+    #: written for DCP matches; every message starts with them.
+    DCP_TEXT = "Checkpoint already exists"
+
     def __init__(self, message: str) -> None:
+        if not message.startswith(self.DCP_TEXT):
+            message = f"{self.DCP_TEXT}: {message}"
         FileExistsError.__init__(self, message)  # args (message,): str() and pickling as an OSError's
         self._failures: dict = {}
 

@@ -98,15 +98,15 @@ def run_collective(channel: Channel, settings: EngineSettings, io: RankIO, job: 
     prepared metadata, the template it published."""
     request = plan_request(job, prewritten, drifts)
     requests = channel.gather_object(request)
-    decisions, plan = decide(job, requests, channel.coordinator) if channel.is_coordinator else (None, None)
+    # the coordinator alone gets the requests (the others get None)
+    decisions, plan = decide(job, requests, channel.coordinator) if requests is not None else (None, None)
     mine: PlanDecision = channel.scatter_object(decisions)
-    kind = SaveKind.FALLBACK if job.mode is Mode.REUSE else (
-        SaveKind.CREATE if job.make_prepared else SaveKind.COLLECTIVE)
+    kind = job.kind(fell_back=True)
     if mine.verdict is Verdict.OUT_OF_STEP:
         raise OutOfStep(mine.message)
     if mine.verdict is Verdict.ERROR:
         return JobOutcome(job.seq, False, kind, ErrorKind.FAILED, failures=dict(mine.failures)), None
-    report = write_assigned(job, mine, request.prewritten, settings.workers, io, timings)
+    report = write_assigned(job, mine, request.prewritten, settings.files_per_rank, io, timings)
     reports = channel.gather_object(report)
     done = finish(job, plan, reports, settings, io, timings) if channel.is_coordinator else None  # type: ignore[arg-type]
     notice: FinishNotice = channel.broadcast_object(done.notice if done is not None else None)
@@ -177,8 +177,10 @@ def write_assigned(job: SaveJob, mine: PlanDecision, kept: WrittenColumns | None
         files, pad = [], {}
         for n, bucket in enumerate(bucket_items(specs, workers)):
             files.append((file_name(io.rank, n), [staged[s.key] for s in bucket]))
-            pad.update({s.key: bytes_slot(len(staged[s.key].payload)) for s in bucket
-                        if staged[s.key].payload is not None})
+            for s in bucket:
+                payload = staged[s.key].payload
+                if payload is not None:
+                    pad[s.key] = bytes_slot(len(payload))
         rows = io.write(job, files, pad, timings)
         return WriteReport(written_columns([s.key for s in job.held], rows), None)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
@@ -196,7 +198,7 @@ def finish(job: SaveJob, plan: GlobalPlan, reports: list[WriteReport], settings:
     warnings: list[str] = []
     try:
         sdm = plan.state_dict_metadata
-        save_id = str(uuid.uuid4())
+        save_id = job.save_id or str(uuid.uuid4())
         made = prepared = None
         with gc_paused():  # columns, not objects: see plan/columns and plan/metadata_pickle
             table = plan.chunks  # every report has its columns: the failures returned above
@@ -206,12 +208,12 @@ def finish(job: SaveJob, plan: GlobalPlan, reports: list[WriteReport], settings:
             data = template.render_parts(os.fspath(job.directory), save_id)
             index_body = body_from_columns(sdm, plan.planner_data, table, results)
             blob = None
-            if job.make_prepared or job.mode is Mode.REUSE:
+            if job.creates_prepared or job.mode is Mode.REUSE:
                 # What every rank reuses: the layout of exactly the bytes about to be published
                 # (same save_id), so the coordinator's next reuse save adopts this template.
                 made = MadeTemplate(save_id, template, index_body)
                 blob = prepared_from_columns(sdm, table, results, template, (os.fspath(job.directory), save_id),
-                                             {"world_size": len(reports), "workers": settings.workers,
+                                             {"world_size": len(reports), "workers": settings.files_per_rank,
                                               "torch_version": torch.__version__}, index_body)
         if blob is not None:
             prepared = _persist_prepared(blob, settings, warnings)

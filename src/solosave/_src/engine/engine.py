@@ -44,7 +44,7 @@ import traceback
 from collections import defaultdict
 
 from solosave._src.coordination.channel import Channel
-from solosave._src.coordination.protocol import EngineSettings, ErrorKind, JobOutcome, Mode, SaveJob, SaveKind
+from solosave._src.coordination.protocol import EngineSettings, ErrorKind, JobOutcome, Mode, SaveJob
 from solosave._src.core.errors import ChannelError, OutOfStep
 from solosave._src.engine.collective import MadeTemplate, run_collective
 from solosave._src.engine.rank_io import RankIO
@@ -83,7 +83,7 @@ class Engine:
         #: Why the channel cannot be used any more, and the kind of that failure.
         self.broken: tuple[ErrorKind, str] | None = None
         #: Two tiers: this rank's durable copies (``None`` without a durable root).
-        self.copier = (Copier(durable, writer, settings.storage_options, settings.workers,
+        self.copier = (Copier(durable, writer, settings.storage_options, settings.files_per_rank,
                               settings.peer_ranks_per_host)
                        if durable is not None and settings.durable_root else None)
 
@@ -98,7 +98,7 @@ class Engine:
         timings: dict[str, float] = defaultdict(float)
         if self.broken is not None:
             kind, why = self.broken
-            return JobOutcome(job.seq, False, _kind(job), error_kind=kind,
+            return JobOutcome(job.seq, False, job.kind(), error_kind=kind,
                               failures={self.rank: why}, finished_at=time.time())
         if self.copier is not None and job.durable:
             job = self._wait_for_copies(job)
@@ -155,7 +155,7 @@ class Engine:
 
     def _break(self, job: SaveJob, kind: ErrorKind, why: str, published: bool | None = False) -> JobOutcome:
         self.broken = (kind, f"{why}; {RECREATE}")
-        return JobOutcome(job.seq, False, _kind(job), error_kind=kind, failures={self.rank: self.broken[1]},
+        return JobOutcome(job.seq, False, job.kind(), error_kind=kind, failures={self.rank: self.broken[1]},
                           published=published)
 
     def _prepared_for(self, job: SaveJob) -> PreparedMetadata:
@@ -171,7 +171,4 @@ class Engine:
         return self._prepared[1]
 
 
-def _kind(job: SaveJob) -> SaveKind:
-    if job.mode is Mode.REUSE:
-        return SaveKind.REUSE
-    return SaveKind.CREATE if job.make_prepared else SaveKind.COLLECTIVE
+

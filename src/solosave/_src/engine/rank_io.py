@@ -9,8 +9,8 @@ no collective. Per save, in this order:
    prepared metadata gives it);
 2. the coordinator only: :meth:`RankIO.publish` (the load index, then ``.metadata``, last,
    atomically: :func:`~solosave._src.write.publish.commit_checkpoint`). On the reuse path the
-   coordinator instead stages both beside its data write (:meth:`RankIO.make_directory`, then
-   :meth:`RankIO.stage`, on a thread) and publishes the staged ``.metadata`` once every rank
+   coordinator instead writes both aside during its data write (:meth:`RankIO.make_directory`, then
+   :meth:`RankIO.begin_publication`, on a thread) and publishes that ``.metadata`` once every rank
    agreed.
 
 Between saves it keeps the tensor records of the last save (views of the staging buffer's
@@ -33,7 +33,7 @@ from solosave._src.formats.metadata_template import MetadataTemplate
 from solosave._src.index import writer as index
 from solosave._src.staging.buffer import BufferReader
 from solosave._src.storage.registry import storage_for
-from solosave._src.write.publish import StagedCheckpoint, commit_checkpoint, stage_checkpoint, unpublish
+from solosave._src.write.publish import PendingPublication, begin_publication, commit_checkpoint, unpublish
 from solosave._src.write.writer import FileWriter, Record
 
 Files = list[tuple[str, list[Record]]]
@@ -188,9 +188,10 @@ class RankIO:
         finally:
             timings["publish"] += time.perf_counter() - t0
 
-    def stage(self, job: SaveJob, data: Sequence[bytes], source: Callable[[], tuple[bytes | None, MetadataTemplate]],
-              save_id: str) -> StagedCheckpoint:
+    def begin_publication(self, job: SaveJob, data: Sequence[bytes],
+                          source: Callable[[], tuple[bytes | None, MetadataTemplate]],
+                          save_id: str) -> PendingPublication:
         """Coordinator: :meth:`publish` in two steps (the index written and ``.metadata``'s bytes
-        staged now; the caller finishes or discards the result)."""
-        return stage_checkpoint(storage_for(job.directory, self.storage_options), os.fspath(job.directory), data,
-                                self._index(job, source, save_id), fsync=self.writer.fsync)
+        written aside now; the caller finishes or discards the result)."""
+        return begin_publication(storage_for(job.directory, self.storage_options), os.fspath(job.directory), data,
+                                 self._index(job, source, save_id), fsync=self.writer.fsync)

@@ -3,14 +3,14 @@ layout, and a steady save needs one 8-byte ``all_reduce``.
 
 Who calls what, in order (every rank runs :func:`run_reuse` for the same job):
 
-1. coordinator: starts a thread (:class:`Ahead`) that, beside its data write, writes the load
-   index and stages ``.metadata`` in a temporary file (both are known before the save: the
+1. coordinator: starts a thread (:class:`EarlyPublication`) that, beside its data write, writes the load
+   index and writes ``.metadata`` aside in a temporary file (both are known before the save: the
    prepared body and template, this save's ``save_id``);
 2. every rank: writes the prepared layout (``RankIO.write_prepared``) and checks it
    (``plan/layout.check_layout``, both directions): status ok, drifted or failed;
 3. every rank: **one** ``all_reduce_and`` of the status word, which also carries the save's
    identity (``coordination/status``): ranks running different saves raise :class:`OutOfStep`;
-4. agreed ok: the coordinator publishes (renames the staged ``.metadata``, else writes it) and
+4. agreed ok: the coordinator publishes (renames the ``.metadata`` written aside, else writes it) and
    posts a receipt that the other ranks wait for (a store key, not a collective), so every rank
    knows whether the save was published. Agreed failed: every rank all-gathers the errors
    (failure path only). Agreed drifted: with ``on_layout_drift="raise"`` every rank all-gathers
@@ -48,7 +48,7 @@ from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.plan.layout import check_layout
 from solosave._src.prepared.prepared import PreparedMetadata
 from solosave._src.storage.registry import storage_for
-from solosave._src.write.publish import StagedCheckpoint
+from solosave._src.write.publish import PendingPublication
 
 
 def run_reuse(channel: Channel, settings: EngineSettings, io: RankIO, job: SaveJob,
@@ -57,8 +57,8 @@ def run_reuse(channel: Channel, settings: EngineSettings, io: RankIO, job: SaveJ
     prepared metadata of the job's token (``None`` only for a job that fails this save).
     Returns this rank's outcome and, when the save fell back to the collective path and this
     rank is the coordinator, the template it published."""
-    save_id = str(uuid.uuid4())
-    ahead = _start_ahead(channel, io, job, prepared, save_id)
+    save_id = job.save_id or str(uuid.uuid4())
+    early = _start_early_publication(channel, io, job, prepared, save_id)
     made = None
     try:
         status, drifts, results, err = write_and_check(io, job, timings)
@@ -68,7 +68,7 @@ def run_reuse(channel: Channel, settings: EngineSettings, io: RankIO, job: SaveJ
         agreed = channel.agree(status, job.identity, f"save {job.seq} to {job.directory}", error=err,
                                drifts=drifts, gather_drifts=settings.on_layout_drift == "raise")
         if agreed.status is Status.OK:
-            out = _publish(channel, io, job, prepared, results, save_id, ahead, timings)
+            out = _publish(channel, io, job, prepared, results, save_id, early, timings)
         elif agreed.status is Status.FAILED:
             out = JobOutcome(job.seq, False, SaveKind.REUSE, ErrorKind.FAILED, failures=agreed.failures)
         elif settings.on_layout_drift == "raise":
@@ -76,12 +76,12 @@ def run_reuse(channel: Channel, settings: EngineSettings, io: RankIO, job: SaveJ
         else:  # results: what this rank already wrote (None if it wrote nothing); the fallback keeps it
             out, made = run_collective(channel, settings, io, job, timings, prewritten=results, drifts=drifts)
     finally:
-        if ahead is not None:  # bounded; a late thread discards what it staged itself
-            staged = ahead.take(channel.timeout)
-            if staged is not None:
-                staged.discard()
-    if ahead is not None and ahead.warnings:
-        out = dataclasses.replace(out, warnings=out.warnings + ahead.warnings)
+        if early is not None:  # bounded; a late thread discards what it wrote aside itself
+            pending = early.take(channel.timeout)
+            if pending is not None:
+                pending.discard()
+    if early is not None and early.warnings:
+        out = dataclasses.replace(out, warnings=out.warnings + early.warnings)
     return out, made
 
 
@@ -109,22 +109,22 @@ def write_and_check(io: RankIO, job: SaveJob, timings: dict[str, float]
 
 
 def _publish(channel: Channel, io: RankIO, job: SaveJob, prepared: Any, results: list[WriteResult] | None,
-             save_id: str, ahead: Ahead | None, timings: dict[str, float]) -> JobOutcome:
+             save_id: str, early: EarlyPublication | None, timings: dict[str, float]) -> JobOutcome:
     """Every rank wrote the prepared layout (and the coordinator the load index): the
-    coordinator publishes (renames the ``.metadata`` its thread staged, else writes it now) and
+    coordinator publishes (renames the ``.metadata`` its thread wrote aside, else writes it now) and
     posts a receipt; the other ranks wait for it (bounded)."""
     warnings: list[str] = []
 
     def publish() -> str | None:
-        staged = None
-        if ahead is not None:
+        pending = None
+        if early is not None:
             t0 = time.perf_counter()
-            staged = ahead.take(channel.timeout)
+            pending = early.take(channel.timeout)
             timings["publish"] += time.perf_counter() - t0
         try:
-            if staged is not None:
+            if pending is not None:
                 t0 = time.perf_counter()
-                staged.finish()
+                pending.finish()
                 timings["publish"] += time.perf_counter() - t0
             else:
                 template = prepared.template
@@ -134,8 +134,8 @@ def _publish(channel: Channel, io: RankIO, job: SaveJob, prepared: Any, results:
         except Exception as e:  # noqa: BLE001 - reported to every rank through the receipt
             return f"publishing failed: {describe(e)}"
         finally:
-            if staged is not None:  # published (finish() ran) or not: never a file left behind
-                staged.discard()
+            if pending is not None:  # published (finish() ran) or not: never a file left behind
+                pending.discard()
         return None
 
     ran: list[str | None] = []  # the coordinator's publish() result, once it ran
@@ -151,7 +151,7 @@ def _publish(channel: Channel, io: RankIO, job: SaveJob, prepared: Any, results:
     ok = error is None
     return JobOutcome(job.seq, ok, SaveKind.REUSE, None if ok else ErrorKind.FAILED,
                       bytes_written=sum(r[3] for r in results or ()),
-                      failures={} if ok else {channel.coordinator: error}, published=ok,
+                      failures={} if error is None else {channel.coordinator: error}, published=ok,
                       warnings=tuple(warnings))
 
 
@@ -202,53 +202,53 @@ def _template_drift(prepared: PreparedMetadata | None) -> list[str]:
     return []
 
 
-def _start_ahead(channel: Channel, io: RankIO, job: SaveJob, prepared: PreparedMetadata | None,
-                 save_id: str) -> Ahead | None:
+def _start_early_publication(channel: Channel, io: RankIO, job: SaveJob, prepared: PreparedMetadata | None,
+                             save_id: str) -> EarlyPublication | None:
     """Coordinator of a reuse save: while this rank writes its data, a thread writes the load
-    index and stages ``.metadata`` (:meth:`RankIO.stage`). :func:`_publish` takes the
-    staged file and renames it into place; any other outcome discards it."""
+    index and writes ``.metadata`` aside (:meth:`RankIO.begin_publication`). :func:`_publish` takes the
+    file written aside and renames it into place; any other outcome discards it."""
     if not channel.is_coordinator or prepared is None or job.abort is not None:
         return None
 
-    def run(ahead: Ahead) -> None:
+    def run(early: EarlyPublication) -> None:
         try:  # it may run before this rank's data write creates the directory
             template = prepared.template  # read back once per prepared file: see _template_drift
             io.make_directory(job)
         except Exception:  # noqa: BLE001 - the data write or the reuse path meets (and reports) the same error
             return
         try:
-            staged = io.stage(job, template.render_parts(os.fspath(job.directory), save_id),
-                              lambda: (prepared.index_body, template), save_id)
+            pending = io.begin_publication(job, template.render_parts(os.fspath(job.directory), save_id),
+                                           lambda: (prepared.index_body, template), save_id)
         except Exception:  # noqa: BLE001 - publishing writes it whole, and reports its error
             return
-        if staged.index_warning is not None:
-            ahead.warn(staged.index_warning)
-        ahead.offer(staged)
+        if pending.index_warning is not None:
+            early.warn(pending.index_warning)
+        early.offer(pending)
 
-    return Ahead(run)
+    return EarlyPublication(run)
 
 
-class Ahead:
+class EarlyPublication:
     """The coordinator's thread beside a reuse save's data write (``run(self)``, started here),
-    the ``.metadata`` it staged and its warnings: :meth:`offer` and :meth:`warn` (the thread) and
+    the ``.metadata`` it wrote aside and its warnings: :meth:`offer` and :meth:`warn` (the thread) and
     :meth:`take` (the reuse path) meet under a lock, so a commit offered after the reuse path
     stopped waiting is discarded by the thread itself, and a late warning is dropped."""
 
-    def __init__(self, run: Callable[[Ahead], None]) -> None:
+    def __init__(self, run: Callable[[EarlyPublication], None]) -> None:
         self._lock = threading.Lock()
-        self._staged: StagedCheckpoint | None = None
+        self._pending: PendingPublication | None = None
         self._warnings: list[str] = []
         self._taken = False
         self._deadline: float | None = None
-        self.thread = threading.Thread(target=run, args=(self,), name="solosave-ahead", daemon=True)
+        self.thread = threading.Thread(target=run, args=(self,), name="solosave-early-publication", daemon=True)
         self.thread.start()
 
-    def offer(self, staged: StagedCheckpoint) -> None:
+    def offer(self, pending: PendingPublication) -> None:
         with self._lock:
             if not self._taken:
-                self._staged = staged
+                self._pending = pending
                 return
-        staged.discard()
+        pending.discard()
 
     def warn(self, warning: str) -> None:
         with self._lock:
@@ -261,13 +261,13 @@ class Ahead:
         with self._lock:
             return tuple(self._warnings)
 
-    def take(self, timeout: float) -> StagedCheckpoint | None:
+    def take(self, timeout: float) -> PendingPublication | None:
         """Wait for the thread (every call together waits at most ``timeout`` seconds) and take
-        what it staged; the caller finishes or discards it. Later offers are discarded."""
+        what it wrote aside; the caller finishes or discards it. Later offers are discarded."""
         if self._deadline is None:
             self._deadline = time.monotonic() + timeout
         self.thread.join(max(self._deadline - time.monotonic(), 0.0))
         with self._lock:
             self._taken = True
-            staged, self._staged = self._staged, None
-            return staged
+            pending, self._pending = self._pending, None
+            return pending

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import chain
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -36,14 +36,14 @@ from solosave._src.formats.safe_pickle import safe_loads
 try:  # torch >= 2.4 moved it; the field set is the same
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 except ImportError:  # pragma: no cover
-    from torch.distributed.checkpoint._storage_utils import _StorageInfo  # type: ignore[no-redef]
+    from torch.distributed.checkpoint._storage_utils import _StorageInfo  # type: ignore[no-redef,attr-defined]
 
 __all__ = ["loads_metadata", "metadata_problem"]
 
 _MISSING = object()
 
 
-def _dims(value: Any) -> bool:
+def _dims(value: Any) -> TypeGuard[tuple[int, ...]]:
     """A tuple (``torch.Size`` is one) of non-negative ints."""
     return type(value) in (tuple, torch.Size) and all(type(v) is int and v >= 0 for v in value)
 

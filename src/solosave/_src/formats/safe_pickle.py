@@ -67,7 +67,7 @@ def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
     ``base`` it calls ``base.__new__(cls, state)``, e.g. ``bytes.__new__(bytes, 10**12)``."""
     if base is not object:
         raise pickle.UnpicklingError(f"_reconstructor with base {getattr(base, '__name__', base)!r}")
-    return copyreg._reconstructor(cls, base, state)
+    return copyreg._reconstructor(cls, base, state)  # type: ignore[attr-defined]  # private, untyped in typeshed
 
 
 _GUARDED: dict[tuple[str, str], Any] = {("builtins", "bytes"): _bytes, ("copyreg", "_reconstructor"): _reconstructor}

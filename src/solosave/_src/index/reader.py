@@ -135,9 +135,9 @@ class LoadIndex:
         if not (isinstance(self.files, list) and isinstance(self.keys, dict) and isinstance(self.groups, list)
                 and isinstance(self.planner_data, dict) and isinstance(self.version, (str, type(None)))):
             raise TypeError("files, keys, groups, planner_data or version of another type")
-        for f in self.files:
-            if confined_path(directory, f) is None:
-                raise ValueError(f"it names data file {f!r}, not a file inside the checkpoint directory")
+        for name in self.files:
+            if confined_path(directory, name) is None:
+                raise ValueError(f"it names data file {name!r}, not a file inside the checkpoint directory")
         self._blobs_at, self._size = blobs_at, size
         self._geometry: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         #: Bytes read from the index so far (header, directory, geometries, row blocks).
@@ -256,7 +256,7 @@ class LoadIndex:
             raw = np.frombuffer(self._read(rows_at + a * block, (b - a) * block, f"the rows of group {g}"),
                                 np.uint8).reshape(b - a, block)
             for i in range(b - a):
-                if zlib.crc32(raw[i, :width]) != int(raw[i, width:].view("<u4")[0]):
+                if zlib.crc32(raw[i, :width].data) != int(raw[i, width:].view("<u4")[0]):
                     raise IndexUnusable(f"{self.path}: the rows of chunk {a + i} "
                                         f"of group {g} are corrupt (checksum mismatch)")
                 out[a + i] = raw[i, :width].copy().view(ROW)
@@ -350,8 +350,8 @@ class LoadIndex:
             raise
         except _DAMAGED as err:
             raise IndexUnusable(f"{self.path}: corrupt ({err!r})") from err
-        md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
-                      **({"version": self.version} if METADATA_VERSION and self.version else {}))
+        version: dict[str, Any] = {"version": self.version} if METADATA_VERSION and self.version else {}
+        md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage, **version)
         problem = metadata_problem(md)  # only this rank's entries: cheap
         if problem:
             raise IndexUnusable(f"{self.path}: its entries are not a DCP Metadata "

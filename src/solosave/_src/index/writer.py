@@ -147,7 +147,7 @@ def _body(sdm: Mapping[str, Any], planner_data: Mapping[str, Any] | None, table:
     pos = 0
     for (nd, n, *_), first in zip(groups, members):  # a group's geometry key starts (dims, chunks)
         a = first[0]
-        geo = zlib.compress(np.ascontiguousarray(offs[a:a + n, :nd], "<i8").tobytes()
+        geometry = zlib.compress(np.ascontiguousarray(offs[a:a + n, :nd], "<i8").tobytes()
                             + np.ascontiguousarray(sizes[a:a + n, :nd], "<i8").tobytes(), 1)
         ids = np.asarray(first, np.int64)[None, :] + np.arange(n, dtype=np.int64)[:, None]  # (n, keys)
         rows = np.empty(ids.shape, ROW)
@@ -156,11 +156,11 @@ def _body(sdm: Mapping[str, Any], planner_data: Mapping[str, Any] | None, table:
         raw = rows.view(np.uint8).reshape(n, width)
         block = np.empty((n, width + CRC.size), np.uint8)
         block[:, :width] = raw
-        crcs = np.fromiter((zlib.crc32(r) for r in raw), np.uint32, n) if width else np.zeros(n, np.uint32)
+        crcs = np.fromiter((zlib.crc32(r.data) for r in raw), np.uint32, n) if width else np.zeros(n, np.uint32)
         block[:, width:] = crcs.astype("<u4").view(np.uint8).reshape(n, CRC.size)
-        group_rows.append([n, nd, len(first), pos, len(geo), zlib.crc32(geo), pos + len(geo)])
-        blobs += [geo, block.tobytes()]
-        pos += len(geo) + block.nbytes
+        group_rows.append([n, nd, len(first), pos, len(geometry), zlib.crc32(geometry), pos + len(geometry)])
+        blobs += [geometry, block.tobytes()]
+        pos += len(geometry) + block.nbytes
     directory = json.dumps({
         "files": files, "keys": keys, "groups": group_rows,
         "planner_data": {k: list(v) for k, v in (planner_data or {}).items()},

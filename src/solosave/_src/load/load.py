@@ -157,7 +157,8 @@ class SafeStorageReader(SafeFileSystemReader):
         super().__init__(path)
         self.storage = storage if storage is not None else storage_for(path, storage_options)
         self.storage_options = storage_options
-        self.fs = DcpFileSystem(self.storage)
+        # DCP's read path calls only FileSystemBase's methods on it, which DcpFileSystem implements
+        self.fs = DcpFileSystem(self.storage)  # type: ignore[assignment]
         self.path = self.fs.init_path(path)
 
     def read_data(self, plan: Any, planner: Any, whole: Sequence[tuple[WholeRead, Any]] = ()) -> Any:
@@ -172,7 +173,7 @@ class SafeStorageReader(SafeFileSystemReader):
             if whole:
                 raise AssertionError("internal: whole reads need the fast read path")
             return FileSystemReader.read_data(self, plan, planner)
-        self.last_read_stats = read_items_by_ranges(self.storage, self.path, plan.items, self.storage_data,
+        self.last_read_stats = read_items_by_ranges(self.storage, os.fspath(self.path), plan.items, self.storage_data,
                                                     planner, whole)
         fut: Future = Future()
         fut.set_result(None)
@@ -186,7 +187,7 @@ class SafeStorageReader(SafeFileSystemReader):
     def _sizes(self) -> Any:
         """``size_of(path)`` of :func:`check_ranges` from one listing of the checkpoint."""
         try:
-            sizes = self.storage.sizes(self.path)
+            sizes = self.storage.sizes(os.fspath(self.path))
         except FileNotFoundError:
             sizes = {}
 
@@ -344,12 +345,12 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: An
     """:func:`load` from ``path`` (its tier chosen)."""
     storage = storage_for(path, storage_options)
     reader = (SafeFileSystemReader(path) if storage.local_files
-              else SafeStorageReader(path, storage_options, storage=storage))  # DCP's read path
+              else SafeStorageReader(os.fspath(path), storage_options, storage=storage))  # DCP's read path
     if planner is None:
         planner = SafeLoadPlanner(safe_globals)
     local = not distributed or _plans_locally(planner)
     rank = dist.get_rank(process_group) if distributed else 0
-    loaded = False
+    loaded: bool | None = False
     if use_index and local and storage.load_index and _index_planner(planner):
         loaded = _via_index(state_dict, path, reader, planner, rank, process_group, distributed, storage)
         if loaded is None:

@@ -278,7 +278,8 @@ class _Loader:
         self._queued_storages.clear()
         i = 0
         while i < len(queue):
-            j, start, pos, iov = i, queue[i].offset, queue[i].offset, []
+            j, start, pos = i, queue[i].offset, queue[i].offset
+            iov: list[Any] = []  # memoryviews of the gap buffer and ctypes arrays over the targets
             while j < len(queue) and len(iov) < IOV_BATCH - 1 and pos - start < BATCH_BYTES:
                 q = queue[j]
                 gap = q.offset - pos

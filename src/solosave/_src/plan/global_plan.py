@@ -20,7 +20,7 @@ items). It runs in named phases, each stating the invariant it establishes:
 Any violation raises :class:`PlanValidationError` naming the items and the fix; every rank
 receives that message. ``plan/columns`` matches the write results to the plan's chunks (``chunks``) and
 ``plan/metadata_pickle`` writes the ``.metadata`` pickle from them.
-The per-item reference implementation of the same decisions lives in ``tests/oracle.py``.
+The per-item reference implementation of the same decisions lives in ``tests/unit/plan/oracle.py``.
 """
 
 from __future__ import annotations
@@ -361,7 +361,8 @@ def _prewritten_fit(requests: Sequence[PlanRequest], writes: list[list[int]]) ->
     """Every rank pre-wrote (reuse fallback) exactly the items now assigned to it."""
     if not requests or any(req.prewritten is None for req in requests):
         return False
-    return all(sorted(req.prewritten.positions) == mine for req, mine in zip(requests, writes))
+    return all(req.prewritten is not None and sorted(req.prewritten.positions) == mine
+               for req, mine in zip(requests, writes))
 
 
 # -- phase 7 -----------------------------------------------------------------------------------

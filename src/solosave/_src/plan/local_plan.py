@@ -288,10 +288,10 @@ def plan_local(state_dict: Mapping[str, Any]) -> LocalPlan:
                 specs.append(spec)
                 values[spec.key] = local
             continue
-        spec, local = make_spec(fqn, flat[fqn])
-        if spec is None:
+        made, local = make_spec(fqn, flat[fqn])
+        if made is None:
             continue
-        specs.append(spec)
+        specs.append(made)
         values[fqn] = local
         if local is not flat[fqn] and _is_dtensor(flat[fqn]):
             dtensors[fqn] = flat[fqn]

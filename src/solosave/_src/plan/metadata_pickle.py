@@ -17,7 +17,7 @@ scale (docs/benchmarks.md, the scale section). :func:`metadata_template` writes 
    stored once and shared by its ``storage_data`` key, as ``build_metadata`` shares it.
 
 The result unpickles (stock ``pickle``, ``safe_loads``) to a ``Metadata`` equal to
-``build_metadata``'s (tests/test_metadata_pickle.py); its ``storage_meta`` placeholders make it
+``build_metadata``'s (tests/unit/plan/test_metadata_pickle.py); its ``storage_meta`` placeholders make it
 a :class:`~solosave._src.formats.metadata_template.MetadataTemplate`.
 """
 
@@ -77,7 +77,8 @@ class _Rows:
     """Fixed-width rows of pickle opcodes, built column by column with numpy."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.cols = n, []
+        self.n = n
+        self.cols: list[np.ndarray] = []
 
     def const(self, ops: bytes) -> _Rows:
         self.cols.append(np.broadcast_to(np.frombuffer(ops, dtype=np.uint8), (self.n, len(ops))))
@@ -124,7 +125,7 @@ def metadata_template(sdm: Mapping[str, Any], planner_data: Mapping, table: Chun
     skeleton = Metadata(
         state_dict_metadata={fqn: TensorStorageMetadata(m.properties, m.size, ph_chunks[fqn])  # type: ignore[arg-type]
                              if fqn in ph_chunks else m for fqn, m in sdm.items()},
-        planner_data=dict(planner_data or {}), storage_data=ph_data,  # type: ignore[arg-type]
+        planner_data=dict(planner_data or {}), storage_data=ph_data,
         storage_meta=StorageMeta(checkpoint_id=ph_id, save_id=ph_save), **METADATA_VERSION)
     buf = io.BytesIO()
     pickler = pickle.Pickler(buf, protocol=2)

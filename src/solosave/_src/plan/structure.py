@@ -34,7 +34,7 @@ from solosave._src.plan.local_plan import (
 try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # pragma: no cover - torch without DTensor
-    _DTensor = None
+    _DTensor = None  # type: ignore[assignment,misc]
 
 #: Types that are always leaves (checked first: most leaves are tensors; FSDP2's are DTensors).
 _LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, str, bool, bytes, type(None)}

@@ -509,6 +509,7 @@ def prepared_target_problem(path: str | os.PathLike, storage_options: Mapping[st
     index, a data file or a checksum file) or a directory (a checkpoint given as prepared
     metadata). Every writer of prepared files asks: the engine when it refreshes the prepared
     metadata, :func:`save_prepared_metadata` and ``solosave prepare``."""
+    path = os.fspath(path)
     name = storage_for(path, storage_options).basename(path)
     if name == METADATA_FILE:
         return f"{path} is a checkpoint's {METADATA_FILE}: no loader could read that checkpoint afterwards"

@@ -275,7 +275,7 @@ class SectionReader:
         self.file_id = bytes.fromhex(self.header["file_id"])
         self.world, self.buckets = int(self.header["world"]), int(self.header["buckets"])
         self.version, self.width = int(self.header["version"]), int(self.header.get("width", 0))
-        self._names: list[str] | None = None
+        self._names = None
 
     def _section(self, entry: Sequence[int], what: str) -> bytes:
         off, length, crc = (int(x) for x in entry[:3])

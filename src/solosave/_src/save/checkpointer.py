@@ -61,13 +61,14 @@ from solosave._src.core.gc_pause import gc_paused
 from solosave._src.engine.engine import Engine
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
+from solosave._src.save.copies import PendingCopies
 from solosave._src.save.handle import SaveHandle, complete, wait_published
 from solosave._src.save.options import CheckpointerOptions, peer_ranks_per_host
-from solosave._src.save.result import DurableCopy, DurableResult, SaveResult, Started, durable_result_of
+from solosave._src.save.result import SaveResult, Started
 from solosave._src.save.session import SaveSession, normalize_directory
 from solosave._src.staging.staging import Staging
 from solosave._src.storage.registry import storage_for
-from solosave._src.tiers.durable import durable_directory
+from solosave._src.tiers.paths import durable_target_problem
 from solosave._src.worker.host import ProcessTransport, ThreadTransport
 from solosave._src.write.writer import FileWriter
 
@@ -126,6 +127,7 @@ class _InFlight:
     handle: SaveHandle
     published: Future[SaveResult]
     started: Started
+    save_id: str = ""
 
 
 class AsyncCheckpointer:
@@ -157,8 +159,7 @@ class AsyncCheckpointer:
         _check_thread_mode_group(self.options, self.world_size)
         self._setup_counter = CollectiveCounter()
         self._inflight: _InFlight | None = None
-        #: Two tiers: the durable copies not yet reported, by save number.
-        self._durable: dict[int, tuple[str, Future[DurableResult]]] = {}
+        self._copies = PendingCopies(self.rank)  # two tiers: the durable copies not yet reported
         self._closed = False
         self._submit_error: BaseException | None = None
         self._known_buckets: set[str] = set()  # URL destinations whose bucket was seen to exist
@@ -170,11 +171,12 @@ class AsyncCheckpointer:
 
     def _start_background(self, writer: FileWriter | None) -> None:
         o = self.options
-        settings = EngineSettings(o.workers, o.on_layout_drift, o.prepared_path, o.storage_options, o.durable_root,
-                                  self._ranks_per_host)
+        settings = EngineSettings(o.files_per_rank, o.on_layout_drift, o.prepared_path, o.storage_options,
+                                  o.durable_root, self._ranks_per_host)
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
         self._res.address, self._res.others = (host, port, prefix), self.world_size - 1
-        if o.persistent_worker:
+        self._session.run_id = prefix  # fresh per checkpointer (a uuid4), the same on every rank
+        if o.worker == "process":
             spec = ChannelSpec(host, port, prefix, self.rank, self.world_size, float(o.timeout))
             self._res.transport = ProcessTransport(WorkerSetup(spec, settings, writer, os.getpid()))
             return
@@ -249,7 +251,7 @@ class AsyncCheckpointer:
                     "create_prepared_metadata=True to create it on the first save, or run "
                     "`solosave prepare --from <checkpoint> --out <file>`")
             prepared = load_prepared_metadata(pm, storage_options=o.storage_options)
-        prepared.check_compatible(self.world_size, o.workers)
+        prepared.check_compatible(self.world_size, o.files_per_rank)
         prepared.rank_files(self.rank)  # this rank's section, read and checked now (not at the first save)
         return prepared
 
@@ -320,7 +322,7 @@ class AsyncCheckpointer:
         published: Future[SaveResult] = Future()
         handle = SaveHandle(job.directory, job.seq, self.rank, published, self._pump, self.options.timeout,
                             staging, reported)
-        return _InFlight(handle, published, started)
+        return _InFlight(handle, published, started, job.save_id)
 
     def _submit(self, job: SaveJob, staging: Staging | None) -> None:
         """Hand ``job`` to the worker (first, once per new staging buffer, the buffer's
@@ -370,9 +372,9 @@ class AsyncCheckpointer:
             raise ValueError(f"save(..., overwrite=True) to {directory!r}: not with peer copies (a host would keep "
                              "the earlier save's peer files beside the new .metadata until the new ones arrive); "
                              "save under a new name")
-        if root is not None and durable_directory(root, directory) == directory:
-            raise ValueError(f"the durable copy of {directory!r} would be the checkpoint itself: durable_root "
-                             f"({root!r}) must be another directory than the save's parent")
+        problem = None if root is None else durable_target_problem(directory, root, self.options.storage_options)
+        if problem is not None:
+            raise ValueError(problem)
         return directory
 
     # -- completion -------------------------------------------------------------------------
@@ -380,11 +382,11 @@ class AsyncCheckpointer:
         """The handles' pump: take at most one message from the worker (waiting at most
         ``timeout`` seconds) and complete the future it answers: the save in flight's, or a
         durable copy's (two tiers)."""
-        f = self._inflight
-        waiting = f is not None and not f.published.done()
-        if not waiting and not self._durable:
+        f = self._inflight if self._inflight is not None and not self._inflight.published.done() else None
+        if f is None and not self._copies:
             return
-        if waiting and self._submit_error is not None:
+        outcome: JobOutcome | DurableOutcome | None
+        if f is not None and self._submit_error is not None:
             e, self._submit_error = self._submit_error, None
             outcome = JobOutcome(f.handle.seq, False, SaveKind.COLLECTIVE, ErrorKind.FAILED,
                                  failures={self.rank: f"staging on the device failed: {type(e).__name__}: {e}"})
@@ -392,42 +394,27 @@ class AsyncCheckpointer:
             try:
                 outcome = self._transport.poll(timeout)
             except WorkerDiedError as e:
-                self._fail_durable(f"the worker died before the copy was published ({e})")
+                self._copies.fail_all(f"the worker died before the copy was published ({e})")
                 raise
         if outcome is None:
             return
         if isinstance(outcome, DurableOutcome):
-            self._complete_durable(outcome)
+            self._copies.complete(outcome)
             return
-        if not waiting or outcome.seq != f.handle.seq:
+        if f is None or outcome.seq != f.handle.seq:
             raise RuntimeError(f"internal: outcome for save {outcome.seq}, expected "
-                               f"{f.handle.seq if waiting else 'none'}")
+                               f"{f.handle.seq if f is not None else 'none'}")
         self._session.absorb(outcome)
         durable = None
         if outcome.ok and outcome.durable:
-            future: Future[DurableResult] = Future()
-            self._durable[outcome.seq] = (outcome.durable, future)
-            durable = DurableCopy(outcome.durable, future, self._pump, self.options.timeout)
-        complete(f.published, outcome, f.handle.path, self.rank, f.started, durable)
-
-    def _complete_durable(self, outcome: DurableOutcome) -> None:
-        entry = self._durable.pop(outcome.seq, None)
-        if entry is not None:
-            entry[1].set_result(durable_result_of(outcome))
-
-    def _fail_durable(self, why: str) -> None:
-        """Complete every durable copy not yet reported as failed on this rank (the worker is
-        gone, or ``close()`` gave up on them): as far as this rank knows, their ``.metadata`` was
-        not published on the durable tier (look there to be sure)."""
-        pending, self._durable = self._durable, {}
-        for path, future in pending.values():
-            future.set_result(DurableResult(path, False, {self.rank: why}, 0, 0.0, ()))
+            durable = self._copies.track(outcome.seq, outcome.durable, self._pump, self.options.timeout)
+        complete(f.published, outcome, f.handle.path, self.rank, f.started, durable, f.save_id)
 
     def _wait_for_copies(self, timeout: float) -> None:
         """Pump (bounded) until every durable copy is reported; never raises."""
         deadline = time.monotonic() + timeout
         try:
-            while self._durable and time.monotonic() < deadline:
+            while self._copies and time.monotonic() < deadline:
                 self._pump(min(max(deadline - time.monotonic(), 0.0), 1.0))
         except Exception as e:  # noqa: BLE001 - close never raises; the copies are reported failed below
             log.warning("solosave: waiting for the durable copies: %s", e)
@@ -488,12 +475,12 @@ class AsyncCheckpointer:
     def _settle_copies(self, t: float) -> None:
         """After the worker stopped: the copies it reported last, then the rest as abandoned."""
         for late in [o for o in self._transport.leftover if isinstance(o, DurableOutcome)]:
-            self._complete_durable(late)
-        if self._durable:
+            self._copies.complete(late)
+        if self._copies:
             log.warning("solosave: close() abandoned %d durable cop%s still running after %g s: %s",
-                        len(self._durable), "y" if len(self._durable) == 1 else "ies", t,
-                        ", ".join(p for p, _ in self._durable.values()))
-        self._fail_durable(f"abandoned by close(): the copy did not end within {t:g} s and this rank's "
+                        len(self._copies), "y" if len(self._copies) == 1 else "ies", t,
+                        ", ".join(self._copies.paths()))
+        self._copies.fail_all(f"abandoned by close(): the copy did not end within {t:g} s and this rank's "
                            "worker was stopped")
 
     def _settle_abandoned(self, f: _InFlight, t: float) -> None:
@@ -525,22 +512,22 @@ def _check_thread_mode_group(options: CheckpointerOptions, group_size: int) -> N
     communicator split (``_new_process_group_helper``: ``perform_nocolor_split``) that the ranks
     inside a gloo group never join: those ranks would hang. Refused at once, on every rank of
     the group alike (they all see the same sizes)."""
-    if options.persistent_worker or group_size == dist.get_world_size():
+    if options.worker == "process" or group_size == dist.get_world_size():
         return
     if getattr(dist.group.WORLD, "bound_device_id", None) is not None:
-        raise ValueError("persistent_worker=False with a process_group smaller than the world, under a "
+        raise ValueError("worker='thread' with a process_group smaller than the world, under a "
                          "default group bound to a device (init_process_group(device_id=...)), would hang "
-                         "in torch's new_group on the other ranks; use persistent_worker=True (the default)")
+                         "in torch's new_group on the other ranks; use worker='process' (the default)")
 
 
 def _check_writer(writer: FileWriter | None, options: CheckpointerOptions) -> FileWriter | None:
     if writer is not None and not isinstance(writer, FileWriter):
         raise TypeError(f"writer must be a solosave.FileWriter, got {type(writer).__name__}")
-    if options.persistent_worker and writer is not None and type(writer).__module__ == "__main__":
+    if options.worker == "process" and writer is not None and type(writer).__module__ == "__main__":
         raise ValueError(
             f"writer class {type(writer).__name__} is defined in the main script, which the "
             "worker process does not import; define it in an importable module, or pass "
-            "persistent_worker=False")
+            "worker='thread'")
     if options.checksums:
         if writer is None:
             return FileWriter(checksums=True)

@@ -31,6 +31,7 @@ honour raise ``ValueError`` naming the solosave equivalent; none is ignored.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import threading
 from concurrent.futures import Future
@@ -38,8 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from solosave._src.core.errors import CheckpointError, describe
 from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
@@ -52,7 +54,7 @@ from solosave._src.write.writer import FileWriter
 try:
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 except ImportError:  # pragma: no cover - a torch before AsyncSaveResponse
-    AsyncSaveResponse = None
+    AsyncSaveResponse = None  # type: ignore[assignment,misc]
 
 #: What each DCP argument solosave cannot honour should be replaced by (``ValueError`` text).
 _REFUSED = {
@@ -61,7 +63,7 @@ _REFUSED = {
     "planner": "solosave plans as DCP's DefaultSavePlanner does (nested keys flattened, Stateful "
                "values saved as their state_dict()); drop planner=",
     "async_checkpointer_type": "solosave always writes in one persistent worker process per rank "
-                               "(DcpSaver(persistent_worker=False) for a thread); drop async_checkpointer_type=",
+                               "(DcpSaver(worker='thread') for a thread); drop async_checkpointer_type=",
     "async_stager": "solosave stages into its own reusable host buffers; for copies that overlap the "
                     "next step use DcpSaver(overlap_staging=True)",
     "no_dist": "solosave needs torch.distributed; for one process call "
@@ -86,6 +88,8 @@ class _Group:
     checkpointer: AsyncCheckpointer
     waiter: threading.Thread | None = None
     last_result: SaveResult | None = None
+    #: The checkpointer's prepared metadata and its ``Metadata``, unpickled once per prepared file.
+    metadata: tuple[Any, Metadata] | None = None
 
 
 class DcpSaver:
@@ -136,8 +140,8 @@ class DcpSaver:
         :class:`~solosave.CheckpointError` (the same on every rank)."""
         _refuse(storage_writer=storage_writer, planner=planner, no_dist=no_dist, use_collectives=use_collectives)
         group, handle = self._start(state_dict, checkpoint_id, process_group)
-        group.last_result = handle.wait(self.options.timeout)
-        return self._metadata(handle.path)
+        group.last_result = result = handle.wait(self.options.timeout)
+        return self._metadata(group, result)
 
     def last_result(self, process_group: Any = None) -> SaveResult | None:
         """The :class:`~solosave.SaveResult` of the group's last finished save (its mode,
@@ -194,16 +198,40 @@ class DcpSaver:
             except BaseException as e:  # noqa: BLE001 - the staging's error, on its future
                 staged.set_exception(e)
         try:
-            group.last_result = handle.wait(self.options.timeout)
-            published.set_result(self._metadata(handle.path))
+            group.last_result = result = handle.wait(self.options.timeout)
+            published.set_result(self._metadata(group, result))
         except BaseException as e:  # noqa: BLE001 - the save's error, on its future
             published.set_exception(e)
 
-    def _metadata(self, path: str) -> Metadata:
-        """The ``.metadata`` this save published (what ``dcp.save`` returns), read back."""
-        storage = storage_for(path, self.options.storage_options)
-        where = storage.join(path, METADATA_FILE)
-        return loads_metadata(storage.read(where), where)
+    def _metadata(self, group: _Group, result: SaveResult) -> Metadata:
+        """The ``Metadata`` this save published (what ``dcp.save`` returns), without reading
+        the checkpoint back: another save to the same ``checkpoint_id`` may already have removed
+        or replaced it. It is the prepared metadata the save was laid out by (the checkpointer
+        keeps it after every save with ``assume_constant_structure`` or a prepared file), with
+        this save's ``checkpoint_id`` and ``save_id``. Without prepared metadata (options that
+        turn both off) the published ``.metadata`` is read, and refused if it is another save's."""
+        prepared = group.checkpointer.prepared
+        if prepared is not None:
+            if group.metadata is None or group.metadata[0] is not prepared:
+                group.metadata = (prepared, prepared.metadata)
+            return dataclasses.replace(group.metadata[1], storage_meta=StorageMeta(
+                checkpoint_id=result.path, save_id=result.save_id))
+        storage = storage_for(result.path, self.options.storage_options)
+        where = storage.join(result.path, METADATA_FILE)
+        try:
+            md = loads_metadata(storage.read(where), where)
+        except (OSError, CheckpointError) as e:
+            raise CheckpointError(f"the save to {result.path} was published, but its {METADATA_FILE} could not be "
+                                  f"read back to return it ({describe(e)}); another save to the same checkpoint_id "
+                                  "may have replaced it. Keep assume_constant_structure=True (DcpSaver's default) "
+                                  "or pass prepared metadata: the Metadata is then returned without reading "
+                                  "it") from e
+        got = getattr(md.storage_meta, "save_id", None)
+        if got != result.save_id:
+            raise CheckpointError(f"the save to {result.path} was published, but its {METADATA_FILE} now belongs "
+                                  f"to another save (save_id {got!r}, this one {result.save_id!r}); keep "
+                                  "assume_constant_structure=True (DcpSaver's default) or pass prepared metadata")
+        return md
 
 
 def _key(process_group: Any) -> Any:

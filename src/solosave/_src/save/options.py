@@ -24,6 +24,8 @@ from solosave._src.core.errors import OptionError
 from solosave._src.prepared.prepared import PreparedMetadata
 
 DRIFT_POLICIES = ("fallback", "raise")
+#: Where each rank's saves are written: a spawned process reused by every save, or a thread.
+WORKER_KINDS = ("process", "thread")
 #: The longest ``timeout`` accepted, in seconds (about 31 years). torch turns a timeout into a
 #: deadline in int64 nanoseconds and gloo refuses a negative one, so a much larger value, or
 #: ``inf``, would fail deep inside the set-up on some ranks only and leave the others waiting
@@ -33,11 +35,12 @@ MAX_TIMEOUT_S = 1e9
 
 def option(default: Any, *, flag: str, help: str, metavar: str | None = None,  # noqa: A002 - argparse's name
            cli_default: Any = dataclasses.MISSING, choices: tuple | None = None,
-           parse: Any = None) -> Any:
+           parse: Any = None, const: Any = None) -> Any:
     """A dataclass field with its command-line flag. ``cli_default``: the flag's default when it
     differs from the API's (Megatron's flags are opt-in); ``parse``: turns the flag's text into
-    the value (default: by the field's type)."""
-    return field(default=default, metadata={"flag": flag, "help": help, "metavar": metavar,
+    the value (default: by the field's type); ``const``: the flag takes no value and sets this
+    one (Megatron's ``--use-persistent-ckpt-worker`` sets ``worker="process"``)."""
+    return field(default=default, metadata={"flag": flag, "help": help, "metavar": metavar, "const": const,
                                             "cli_default": cli_default, "choices": choices, "parse": parse})
 
 
@@ -53,15 +56,17 @@ def json_object(text: str) -> dict:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CheckpointerOptions:
-    """Options of :class:`~solosave.AsyncCheckpointer`; every field says when to change it."""
+class _OptionFields:
+    """The fields of :class:`CheckpointerOptions` (which adds the old names)."""
 
-    workers: int = option(1, flag="--dist-ckpt-workers", metavar="N", help=(
+    files_per_rank: int = option(1, flag="--dist-ckpt-workers", metavar="N", help=(
         "files (writer threads) per rank: __{rank}_{0..N-1}.distcp (default 1); more helps when "
         "one writer thread cannot saturate the storage"))
-    persistent_worker: bool = option(True, flag="--use-persistent-ckpt-worker", cli_default=False, help=(
-        "write in one spawned worker process per rank, reused by every save (the API's default); "
-        "without it a background thread of the trainer writes"))
+    worker: str = option("process", flag="--use-persistent-ckpt-worker", cli_default="thread", const="process",
+                         choices=WORKER_KINDS, help=(
+        "write in one spawned worker process per rank, reused by every save (the API's default, "
+        "worker='process'); without the flag a background thread of the trainer writes "
+        "(worker='thread')"))
     prepared_metadata: str | os.PathLike | Metadata | PreparedMetadata | None = option(
         None, flag="--ckpt-metadata", metavar="FILE|auto", help=(
             "prepared metadata to reuse: every save then needs one 8-byte all_reduce. 'auto' (flag "
@@ -121,8 +126,11 @@ class CheckpointerOptions:
         _check_storage_options(self)
         _check_durable_root(self)
         _check_peer_copy(self)
-        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
-            raise OptionError(f"{{workers}} must be >= 1 (an int: files per rank), got {self.workers!r}")
+        n = self.files_per_rank
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise OptionError(f"{{files_per_rank}} must be >= 1 (an int: files per rank), got {n!r}")
+        if self.worker not in WORKER_KINDS:
+            raise OptionError(f"{{worker}} must be one of {WORKER_KINDS}, got {self.worker!r}")
         if self.on_layout_drift not in DRIFT_POLICIES:
             raise OptionError(f"{{on_layout_drift}} must be one of {DRIFT_POLICIES}, got {self.on_layout_drift!r}")
         if not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
@@ -149,12 +157,45 @@ class CheckpointerOptions:
         return os.fspath(pm) if isinstance(pm, (str, os.PathLike)) else None
 
     @property
-    def makes_prepared(self) -> bool:
+    def creates_prepared(self) -> bool:
         """The first collective save's metadata becomes the prepared metadata."""
         return self.create_prepared_metadata or self.assume_constant_structure
 
 
-def _check_storage_options(options: CheckpointerOptions) -> None:
+class CheckpointerOptions(_OptionFields):
+    """Options of :class:`~solosave.AsyncCheckpointer`; every field says when to change it.
+
+    Keyword arguments only. Two names of solosave 0.1 stay accepted as aliases: ``workers=N``
+    for ``files_per_rank=N`` and ``persistent_worker=True/False`` for ``worker="process"`` /
+    ``"thread"`` (also readable as properties); passing an alias and its new name at once is
+    an error."""
+
+    __slots__ = ()
+
+    def __init__(self, *, workers: int | None = None, persistent_worker: bool | None = None,
+                 **fields: Any) -> None:
+        if workers is not None:
+            if "files_per_rank" in fields:
+                raise OptionError("{workers} is the old name of {files_per_rank}: pass one of them")
+            fields["files_per_rank"] = workers
+        if persistent_worker is not None:
+            if "worker" in fields:
+                raise OptionError("{persistent_worker} is the old name of {worker}: pass one of them")
+            fields["worker"] = "process" if persistent_worker else "thread"
+        super().__init__(**fields)
+
+    @property
+    def workers(self) -> int:
+        """Old name of :attr:`files_per_rank`."""
+        return self.files_per_rank
+
+    @property
+    def persistent_worker(self) -> bool:
+        """Old name: whether :attr:`worker` is ``"process"``."""
+        return self.worker == "process"
+
+
+def _check_storage_options(options: _OptionFields) -> None:
     """``storage_options`` is a mapping with string keys that pickles (it travels to the worker);
     kept as a plain dict of its own."""
     so = options.storage_options
@@ -170,7 +211,7 @@ def _check_storage_options(options: CheckpointerOptions) -> None:
     object.__setattr__(options, "storage_options", dict(so))
 
 
-def _check_durable_root(options: CheckpointerOptions) -> None:
+def _check_durable_root(options: _OptionFields) -> None:
     """``durable_root`` is a path or a URL (kept as the string every rank derives alike)."""
     root = options.durable_root
     if root is None:
@@ -180,7 +221,7 @@ def _check_durable_root(options: CheckpointerOptions) -> None:
     object.__setattr__(options, "durable_root", os.fspath(root))
 
 
-def _check_peer_copy(options: CheckpointerOptions) -> None:
+def _check_peer_copy(options: _OptionFields) -> None:
     """``peer_copy`` rides on the durable copies' channel; ``ranks_per_host`` is a count."""
     n = options.ranks_per_host
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
@@ -222,6 +263,10 @@ def add_option_flags(group: Any, cls: type = CheckpointerOptions, only: tuple[st
         default = f.default if meta["cli_default"] is dataclasses.MISSING else meta["cli_default"]
         if f.type in (bool, "bool"):
             group.add_argument(meta["flag"], dest=f.name, action="store_true", default=default, help=meta["help"])
+            continue
+        if meta.get("const") is not None:
+            group.add_argument(meta["flag"], dest=f.name, action="store_const", const=meta["const"],
+                               default=default, help=meta["help"])
             continue
         kind = meta.get("parse") or {"int": int, "float": float}.get(str(f.type).split("|")[0].strip())
         group.add_argument(meta["flag"], dest=f.name, type=kind, default=default, metavar=meta["metavar"],

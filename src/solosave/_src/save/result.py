@@ -136,6 +136,9 @@ class SaveResult:
     warnings: tuple[str, ...] = ()
     #: Two tiers: this save's copy to the durable tier (``None`` without ``durable_root``).
     durable: DurableCopy | None = None
+    #: The ``save_id`` of the ``.metadata`` it published (``storage_meta.save_id``), the same on
+    #: every rank: what tells this checkpoint from another one published under the same name.
+    save_id: str = ""
 
     def collectives(self, where: str = "all") -> dict[str, dict[str, int]]:
         """``{kind: {"count": n, "bytes": payload}}`` for ``where`` in
@@ -164,7 +167,7 @@ class Started:
 
 
 def result_of(outcome: JobOutcome, path: str, rank: int, started: Started,
-              durable: DurableCopy | None = None) -> SaveResult:
+              durable: DurableCopy | None = None, save_id: str = "") -> SaveResult:
     """The :class:`SaveResult` of a successful save on this rank."""
     tm = outcome.timings
     return SaveResult(
@@ -172,7 +175,7 @@ def result_of(outcome: JobOutcome, path: str, rank: int, started: Started,
         timings=PhaseTimings(started.plan_s, started.stage_s, tm.get("write", 0.0), tm.get("coordinate", 0.0),
                              tm.get("publish", 0.0), started.block_s, max(outcome.finished_at - started.at, 0.0)),
         collectives_calling_thread=started.calling, collectives_background=outcome.collectives,
-        published=outcome.published, warnings=outcome.warnings, durable=durable)
+        published=outcome.published is True, warnings=outcome.warnings, durable=durable, save_id=save_id)
 
 
 def error_of(outcome: JobOutcome, path: str) -> CheckpointError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from solosave._src.prepared.prepared import PreparedMetadata
 from solosave._src.save.options import CheckpointerOptions
 from solosave._src.staging.staging import Stager, Staging
 from solosave._src.storage.registry import backend_for
-from solosave._src.tiers.durable import durable_directory
+from solosave._src.tiers.paths import durable_copy_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,9 @@ class SaveSession:
         self.token = 1 if prepared is not None else 0
         self._sent_token = 0
         self.seq = 0
+        #: Shared by every rank of the checkpointer (the address of its store, agreed at set-up):
+        #: with the save's number, it names each save's ``save_id`` alike on every rank.
+        self.run_id = ""
         self.stager = Stager(options.staging_dir, timeout=float(options.timeout))
         self.structure = StructureCache()
         #: (specs, token, stage-everything) -> (reuse plan, specs to stage, held tuple): the
@@ -76,7 +80,7 @@ class SaveSession:
         t2 = time.perf_counter()
         job = self._job(directory, plan, staged, reuse, held)
         if self.options.durable_root:
-            job = dataclasses.replace(job, durable=durable_directory(self.options.durable_root, directory),
+            job = dataclasses.replace(job, durable=durable_copy_of(directory, self.options.durable_root),
                                       overwrite=overwrite)
         return BuiltJob(job, staging, t1 - t0, t2 - t1)
 
@@ -102,9 +106,9 @@ class SaveSession:
         send = None
         if self.mode is Mode.REUSE and self._sent_token != self.token:
             send, self._sent_token = self.prepared, self.token
-        return SaveJob(seq=self.seq, directory=directory, mode=self.mode, staged=staged,
+        return SaveJob(seq=self.seq, directory=directory, mode=self.mode, staged=staged, save_id=self._save_id(),
                        held=held, planner_data=plan.planner_data, reuse=reuse,
-                       make_prepared=self.options.makes_prepared and self.prepared is None,
+                       creates_prepared=self.options.creates_prepared and self.prepared is None,
                        prepared_token=self.token, prepared=send, submitted_at=time.time())
 
     @staticmethod
@@ -120,9 +124,13 @@ class SaveSession:
         waiting for a job that never comes."""
         self.seq += 1
         return SaveJob(seq=self.seq, directory=directory, mode=self.mode, staged=StagedSave(None, 0, ()),
-                       make_prepared=self.options.makes_prepared and self.prepared is None,
+                       save_id=self._save_id(),
+                       creates_prepared=self.options.creates_prepared and self.prepared is None,
                        prepared_token=self.token, abort=f"save() raised on this rank: "
                        f"{type(error).__name__}: {error}", submitted_at=time.time())
+
+    def _save_id(self) -> str:
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"solosave:{self.run_id}:{self.seq}")) if self.run_id else ""
 
     def absorb(self, outcome: JobOutcome) -> None:
         """Learn from a finished save (every rank receives the same ``ok`` and metadata)."""
@@ -148,5 +156,5 @@ def normalize_directory(path: Any) -> str:
         try:
             return backend_for(path).normalize(path)
         except (ImportError, ValueError):  # no usable backend (save() reports why): the path as given
-            return os.fspath(path)  # type: ignore[return-value]
+            return os.fspath(path)
     return repr(path)

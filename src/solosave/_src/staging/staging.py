@@ -50,6 +50,7 @@ import torch
 
 from solosave._src.coordination.protocol import ItemKind, ItemSpec, StagedItem, StagedSave
 from solosave._src.core.errors import SaveTimeoutError, StagingRaceError
+from solosave._src.formats.dcp import ItemKey
 from solosave._src.plan.local_plan import serialize_bytes, value_key
 from solosave._src.staging.buffer import STAGING_DIR_ENV, BufferReader, _Buffer, _Lease
 from solosave._src.staging.device import CudaRuntime, DeviceRuntime
@@ -126,7 +127,7 @@ class Stager:
         self._buffer, self._offsets, self._layout = buf, offsets, layout
         return buf
 
-    def _plan_for(self, specs: list[ItemSpec], values: dict[str, Any]) -> _Plan:
+    def _plan_for(self, specs: list[ItemSpec], values: Mapping[str | ItemKey, Any]) -> _Plan:
         p = self._plan
         if (p is not None and p.specs is specs and p.buffer is self._buffer
                 and (p.buffer is not None and not p.buffer.busy or not p.tensors)):
@@ -148,7 +149,7 @@ class Stager:
                            tuple(StagedItem(s, offsets[s.key]) for s in tensors), host, by_device)
         return self._plan
 
-    def stage(self, specs: list[ItemSpec], values: dict[str, Any], overlap: bool = False,
+    def stage(self, specs: list[ItemSpec], values: Mapping[str | ItemKey, Any], overlap: bool = False,
               watch: Mapping[str, Any] | None = None) -> tuple[StagedSave, Staging]:
         """Copy ``specs``' values (looked up by fqn in ``values``) into host memory.
 
@@ -277,8 +278,8 @@ def _extent(t: torch.Tensor) -> int:
     """Bytes of its storage that ``t`` reaches."""
     if t.numel() == 0:
         return 0
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return (t.storage_offset() + last + 1) * t.element_size()
+    last = sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (int(t.storage_offset()) + last + 1) * t.element_size()
 
 
 class Staging:

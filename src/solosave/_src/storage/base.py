@@ -20,7 +20,7 @@ checkpoint directory, already :meth:`~Storage.normalize`\\ d):
    (or :meth:`DataFile.close` on an error); the checksum sidecar of the file the same way.
 3) (coordinator only, after every rank's data files are committed) the load index, if
    :attr:`~Storage.load_index`: :meth:`~Storage.commit`; then ``.metadata``, last:
-   :meth:`~Storage.commit`, or :meth:`~Storage.stage_commit` while the data is still being
+   :meth:`~Storage.commit`, or :meth:`~Storage.begin_commit` while the data is still being
    written and :meth:`Commit.finish` once every rank agreed (:meth:`Commit.discard` otherwise).
 
 Loading reads ``.metadata`` with :meth:`~Storage.read` (group rank 0), or the load index with
@@ -83,51 +83,51 @@ class Commit(ABC):
     ``latest``): readers see the old object or the new one, whole.
 
     Called from one thread at a time, in this order: the backend builds it
-    (:meth:`Storage.stage_commit`) -> :meth:`stage` once (the bytes go where readers do not look,
+    (:meth:`Storage.begin_commit`) -> :meth:`write_aside` once (the bytes go where readers do not look,
     if the type has such a place) -> :meth:`finish` (the new object becomes visible at once) or
     :meth:`discard` (it never does). The first of ``finish``/``discard`` wins; later calls do
-    nothing. A process that dies after :meth:`stage` and before :meth:`finish` leaves the old
+    nothing. A process that dies after :meth:`write_aside` and before :meth:`finish` leaves the old
     object, or none if there was none.
     """
 
     def __init__(self, storage: Storage, path: str, fsync: bool = True) -> None:
         self.storage, self.path, self.fsync = storage, path, fsync
         self._lock = threading.Lock()
-        self._state = "new"  # -> "staged" -> "done"; "done" at once if staging fails
+        self._state = "new"  # -> "written" -> "done"; "done" at once if writing aside fails
 
     @property
     def done(self) -> bool:
         """Whether it was finished or discarded (or its staging failed)."""
         return self._state == "done"
 
-    def stage(self, data: Data) -> None:
+    def write_aside(self, data: Data) -> None:
         """Write ``data`` ahead, invisible to readers; on an error nothing is left behind."""
         with self._lock:
             if self._state != "new":
-                raise RuntimeError(f"internal: the commit of {self.path} was staged twice")
+                raise RuntimeError(f"internal: the commit of {self.path} was written aside twice")
             self._state = "done"  # until staging succeeded: finish() and discard() do nothing
-        self._stage(data)
-        self._state = "staged"
+        self._write_aside(data)
+        self._state = "written"
 
     def finish(self) -> None:
-        """Make the staged object visible, atomically."""
+        """Make the object written aside visible, atomically."""
         with self._lock:
             if self._state == "done":
                 return
-            if self._state != "staged":
-                raise RuntimeError(f"internal: the commit of {self.path} was finished before it was staged")
+            if self._state != "written":
+                raise RuntimeError(f"internal: the commit of {self.path} was finished before it was written aside")
             self._state = "done"
         self._finish()
 
     def discard(self) -> None:
-        """Drop the staged object; the old one stays."""
+        """Drop the object written aside; the old one stays."""
         with self._lock:
             state, self._state = self._state, "done"
-        if state == "staged":
+        if state == "written":
             self._discard()
 
     @abstractmethod
-    def _stage(self, data: Data) -> None: ...
+    def _write_aside(self, data: Data) -> None: ...
 
     @abstractmethod
     def _finish(self) -> None: ...
@@ -206,6 +206,12 @@ class Storage(ABC):
     @abstractmethod
     def dirname(cls, path: Any) -> str: ...
 
+    def same_location(self, a: str, b: str) -> bool:
+        """Whether paths ``a`` and ``b`` of this storage reach the same directory or object, so
+        that writing one would overwrite the other. The default compares normalized names;
+        file systems also resolve links and ``..`` and compare device and inode."""
+        return self.normalize(a) == self.normalize(b)
+
     # -- destinations (save(), every rank, before anything is written) -------------------------
     def check_destination(self, path: str) -> None:
         """Raise ``ValueError`` if ``path`` cannot name a checkpoint directory here (checked
@@ -275,15 +281,15 @@ class Storage(ABC):
         commit; ``part_size`` / ``concurrency``: an upload's first part size and parts in
         flight, where the backend uploads in parts."""
 
-    def stage_commit(self, path: str, data: Data, fsync: bool = True) -> Commit:
-        """:meth:`commit` in two steps: the bytes staged now, visible at ``finish()``."""
+    def begin_commit(self, path: str, data: Data, fsync: bool = True) -> Commit:
+        """:meth:`commit` in two steps: the bytes written aside now, visible at ``finish()``."""
         commit = self.commit_type(self, path, fsync)
-        commit.stage(data)
+        commit.write_aside(data)
         return commit
 
     def commit(self, path: str, data: Data, fsync: bool = True) -> None:
         """Replace ``path`` by ``data`` atomically (see :class:`Commit`)."""
-        self.stage_commit(path, data, fsync).finish()
+        self.begin_commit(path, data, fsync).finish()
 
     @abstractmethod
     def remove(self, path: str) -> None:

@@ -7,7 +7,7 @@ completes (:mod:`solosave._src.storage.upload`: concurrent multipart on S3), and
 is replaced by a :class:`PutCommit`, one single-object write (readers see the old object or the
 new one, never a part); unpublishing deletes ``.metadata``. Other fsspec filesystems (``file``,
 ``sftp``, ...) replace by a :class:`MoveCommit`: a temporary object moved over the destination.
-On both, a staged commit writes nothing until it is finished.
+On both, a commit begun writes nothing until it is finished.
 
 fsspec and its backends (s3fs: ``pip install 'solosave[s3]'``) are imported when a URL's
 storage is first built, never by path operations. Credentials and endpoint come from the
@@ -39,11 +39,11 @@ INSTALL_HINT = "pip install 'solosave[s3]'"
 
 class PutCommit(Commit):
     """An object store's commit: the single write of the whole object is the commit, so
-    :meth:`stage` only keeps the bytes and :meth:`finish` writes them (one PUT)."""
+    :meth:`write_aside` only keeps the bytes and :meth:`finish` writes them (one PUT)."""
 
     storage: FsspecStorage
 
-    def _stage(self, data: Data) -> None:
+    def _write_aside(self, data: Data) -> None:
         self._data = joined(data)
 
     def _finish(self) -> None:
@@ -58,14 +58,14 @@ class PutCommit(Commit):
 
 
 class MoveCommit(Commit):
-    """A commit on an fsspec filesystem with directories (``file``, ``sftp``, ...): :meth:`stage`
+    """A commit on an fsspec filesystem with directories (``file``, ``sftp``, ...): :meth:`write_aside`
     keeps the bytes (nothing is written before the commit is decided), :meth:`finish` writes
     them to a temporary object beside the destination and moves it over the destination (the
     filesystem's rename), removing it if the move fails."""
 
     storage: FsspecStorage
 
-    def _stage(self, data: Data) -> None:
+    def _write_aside(self, data: Data) -> None:
         self._data = joined(data)
 
     def _finish(self) -> None:

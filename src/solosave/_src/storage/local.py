@@ -70,12 +70,12 @@ def check_local_path(path: str | os.PathLike) -> None:
 
 
 class RenameCommit(Commit):
-    """A file system's commit: :meth:`stage` writes and fsyncs a temporary file beside the
+    """A file system's commit: :meth:`write_aside` writes and fsyncs a temporary file beside the
     destination (``.<name>.tmp.<pid>.<random>``), :meth:`finish` renames it over the
     destination and fsyncs the directory, :meth:`discard` removes it. With ``fsync=False``
     nothing is fsynced (tests, and writers told not to)."""
 
-    def _stage(self, data: Data) -> None:
+    def _write_aside(self, data: Data) -> None:
         dst = Path(self.path).absolute()  # renamed later: a change of working directory must not matter
         tmp = dst.with_name(f".{dst.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
         try:
@@ -178,6 +178,16 @@ class LocalStorage(Storage):
     @classmethod
     def dirname(cls, path: Any) -> str:
         return os.path.dirname(os.fspath(path))
+
+    def same_location(self, a: str, b: str) -> bool:
+        """Resolved locations (symbolic links, ``..``), then, for paths that exist, device and
+        inode (a bind mount reaches one directory under two resolved names)."""
+        if os.path.realpath(a) == os.path.realpath(b):
+            return True
+        try:
+            return os.path.samefile(a, b)
+        except OSError:  # one of them does not exist (yet): only its resolved name can tell
+            return False
 
     def check_destination(self, path: str) -> None:
         check_local_path(path)

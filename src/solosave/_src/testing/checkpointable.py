@@ -32,8 +32,9 @@ class ChunkedTensor(torch.Tensor):
         r._chunks = [(tuple(int(o) for o in off), t) for off, t in chunks]
         return r
 
+    # torch types the base attribute as a plain function; its docs define the hook as a classmethod.
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         raise NotImplementedError(f"ChunkedTensor holds chunks for checkpointing only; {func} is not supported")
 
     @property

@@ -35,17 +35,12 @@ from solosave._src.core.errors import IndexUnusable
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.index.reader import LoadIndex
 from solosave._src.storage.registry import backend_for, storage_for
+from solosave._src.tiers.paths import durable_copy_of
 
 FAST, DURABLE = 0b01, 0b10
 
 #: A candidate of :func:`choose_restore_point`: ``(step, fast path or None, durable path or None)``.
 Candidate = tuple[int, "str | None", "str | None"]
-
-
-def durable_copy_of(path: str | os.PathLike, durable_root: str | os.PathLike) -> str:
-    """``<durable_root>/<name of path>``: where the copy of ``path`` lives on the durable tier."""
-    root = backend_for(durable_root).normalize(durable_root)
-    return backend_for(root).join(root, backend_for(path).basename(backend_for(path).normalize(path)))
 
 
 def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bool:

@@ -55,7 +55,7 @@ from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE, checksum_path
 from solosave._src.formats.metadata_template import replace_checkpoint_id
 from solosave._src.index.writer import shifted
 from solosave._src.storage.copy import stream_into
-from solosave._src.storage.registry import backend_for, storage_for
+from solosave._src.storage.registry import storage_for
 from solosave._src.tiers.peer_copy import copy_to_peer
 from solosave._src.write.publish import commit_checkpoint, unpublish
 from solosave._src.write.writer import FileWriter
@@ -66,11 +66,6 @@ from solosave._src.write.writer import FileWriter
 MAX_PENDING = 2
 
 log = logging.getLogger("solosave")
-
-
-def durable_directory(root: str, directory: str) -> str:
-    """``<root>/<name of directory>``: where the save to ``directory`` is copied."""
-    return backend_for(root).join(backend_for(root).normalize(root), backend_for(directory).basename(directory))
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +179,7 @@ class Copier:
         ch = self.channel
         mark = ch.counter.mark()
         copied, failures = 0, {}
-        peer_ok, peer_failures = self._peer_stage(task)
+        peer_ok, peer_failures = self._peer_step(task)
         if self.broken is not None:
             failures = {ch.rank: self.broken}
         else:
@@ -204,7 +199,7 @@ class Copier:
         return DurableOutcome(task.seq, not failures, task.target, failures, copied,
                               tuple(ch.counter.since(mark)), task.queued_at, time.time(), peer_ok, peer_failures)
 
-    def _peer_stage(self, task: CopyTask) -> tuple[bool | None, dict[int, str]]:
+    def _peer_step(self, task: CopyTask) -> tuple[bool | None, dict[int, str]]:
         """The peer copy of ``task`` (``tiers/peer_copy.py``), before its durable copy: ``(ok or None
         when there is none, failures)``. A broken channel breaks the copier."""
         if not self.ranks_per_host:
@@ -247,6 +242,9 @@ class Copier:
         """Step 1 on this rank; returns the bytes copied."""
         src = storage_for(task.source, self.storage_options)
         dst = storage_for(task.target, self.storage_options)
+        if type(src) is type(dst) and dst.same_location(task.source, task.target):
+            raise ValueError(f"the durable copy {task.target} is the fast checkpoint {task.source} itself; "
+                             "nothing was copied (a copy never writes or removes its own source)")
         dst.makedirs(task.target)
         marker = dst.join(task.target, METADATA_FILE)
         if dst.exists(marker):
@@ -307,4 +305,4 @@ def publish_copy(source: str, target: str, storage_options: Mapping[str, Any] | 
     return len(md) + (len(index) if index is not None and warning is None else 0)
 
 
-__all__ = ["MAX_PENDING", "CopyTask", "Copier", "durable_directory", "publish_copy"]
+__all__ = ["MAX_PENDING", "CopyTask", "Copier", "publish_copy"]

@@ -94,6 +94,7 @@ def _share_metadata(ch: Channel, st: Any, directory: str, key: str,
     whether this rank sees the coordinator's ``.metadata`` from the other host (a fast tier
     shared with it: the files are there already), and the error. Two hosts (the only count
     ``peer_copy`` accepts): each then holds every file, so its ``.metadata`` names no missing one."""
+    error: str | None = None
     if ch.is_coordinator:
         try:
             md = st.read(st.join(directory, METADATA_FILE))
@@ -101,8 +102,6 @@ def _share_metadata(ch: Channel, st: Any, directory: str, key: str,
         except OSError as e:
             md, files = b"", None
             error = f"reading the published {METADATA_FILE} of {directory} failed: {describe(e)}"
-        else:
-            error = None
         ch.post_value(key + "/digest", hashlib.sha256(md).hexdigest().encode())
         ch.post_value(key, pickle.dumps(files, protocol=pickle.HIGHEST_PROTOCOL))
         return None, False, error
@@ -111,11 +110,11 @@ def _share_metadata(ch: Channel, st: Any, directory: str, key: str,
     other_host = ch.rank // ranks_per_host != ch.coordinator // ranks_per_host
     publish = None
     if other_host and ch.rank % ranks_per_host == 0 and not same and error is None:
-        files = pickle.loads(ch.read_value(key, ch.timeout))  # noqa: S301 - this job's coordinator, private store
-        if files is None or not all(PEER_FILE.match(n) for n in files):
+        posted = pickle.loads(ch.read_value(key, ch.timeout))  # noqa: S301 - this job's coordinator, private store
+        if posted is None or not all(PEER_FILE.match(n) for n in posted):
             error = "the coordinator could not post its .metadata"
         else:
-            publish = files
+            publish = posted
     # ranks on the coordinator's host see its .metadata on any tier: that tells nothing
     return publish, same and other_host, error
 

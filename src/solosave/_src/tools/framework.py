@@ -117,10 +117,11 @@ def options_in_root(options: CheckpointerOptions, root: str | os.PathLike, world
     created by the first save; a relative path lies under ``root``; anything else is kept."""
     pm = options.prepared_metadata
     if pm is None and not options.assume_constant_structure:
-        return dataclasses.replace(options, prepared_metadata=prepared_file(AUTO, root, world_size, options.workers),
-                                   create_prepared_metadata=True)
+        auto = prepared_file(AUTO, root, world_size, options.files_per_rank)
+        return dataclasses.replace(options, prepared_metadata=auto, create_prepared_metadata=True)
     if isinstance(pm, (str, os.PathLike)):
-        return dataclasses.replace(options, prepared_metadata=prepared_file(pm, root, world_size, options.workers))
+        prepared = prepared_file(pm, root, world_size, options.files_per_rank)
+        return dataclasses.replace(options, prepared_metadata=prepared)
     return options
 
 

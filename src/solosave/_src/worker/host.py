@@ -44,9 +44,7 @@ from solosave._src.coordination.protocol import (
     BufferHandoff,
     ErrorKind,
     JobOutcome,
-    Mode,
     SaveJob,
-    SaveKind,
     WorkerEvent,
     WorkerMessage,
     WorkerSetup,
@@ -327,8 +325,7 @@ class ThreadTransport:
             try:
                 self._outcomes.put(self.engine.run(job))
             except BaseException as e:  # noqa: BLE001 - keep the thread alive, report it
-                kind = SaveKind.REUSE if job.mode is Mode.REUSE else SaveKind.COLLECTIVE
-                self._outcomes.put(JobOutcome(job.seq, False, kind, ErrorKind.INTERNAL,
+                self._outcomes.put(JobOutcome(job.seq, False, job.kind(), ErrorKind.INTERNAL,
                                               failures={self.engine.rank: traceback.format_exc() or repr(e)}))
 
     def share_buffer(self, name: str, fd: int) -> None:

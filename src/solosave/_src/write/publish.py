@@ -11,9 +11,9 @@ copy, the peer copy and the peer repair (:mod:`solosave._src.tiers`).
   one) and then ``.metadata``, both by atomic commits (:class:`~solosave._src.storage.base.Commit`:
   locally a temporary file, fsync, rename, fsync of the directory; on an object store one
   single-object put), so a crash at any point leaves no ``.metadata`` or the whole new one;
-* :func:`stage_checkpoint` is the same in two steps, for the reuse path, whose coordinator
+* :func:`begin_publication` is the same in two steps, for the reuse path, whose coordinator
   writes the index and ``.metadata``'s bytes on a thread while the data is written and
-  publishes them (:meth:`StagedCheckpoint.finish`) only once every rank agreed.
+  publishes them (:meth:`PendingPublication.finish`) only once every rank agreed.
 
 The load index only speeds loads up: a failure to build or write it is returned as a warning
 and the checkpoint is published without it (loads then read ``.metadata``; an index left by an
@@ -47,8 +47,8 @@ def unpublish(storage: Storage, directory: str) -> None:
 
 
 @dataclass
-class StagedCheckpoint:
-    """A publication made ready by :func:`stage_checkpoint`: the load index is written, and
+class PendingPublication:
+    """A publication made ready by :func:`begin_publication`: the load index is written, and
     ``.metadata``'s bytes wait in ``commit``. Exactly one of :meth:`finish` (publish) and
     :meth:`discard` (never publish) takes effect; calling :meth:`discard` after :meth:`finish`
     does nothing, so ``try: finish() finally: discard()`` never leaves a temporary file."""
@@ -66,14 +66,15 @@ class StagedCheckpoint:
         self.commit.discard()
 
 
-def stage_checkpoint(storage: Storage, directory: str, metadata: MetadataBytes, index: IndexSource = None,
-                     fsync: bool = True) -> StagedCheckpoint:
+def begin_publication(storage: Storage, directory: str, metadata: MetadataBytes, index: IndexSource = None,
+                      fsync: bool = True) -> PendingPublication:
     """Write the load index of ``directory`` (when the backend keeps load indexes and ``index``
-    gives one) and stage ``.metadata``'s bytes without publishing them. Raises if ``.metadata``
-    cannot be staged (nothing is published); an index failure is a warning in the result."""
+    gives one) and write ``.metadata``'s bytes aside without publishing them. Raises if
+    ``.metadata`` cannot be written aside (nothing is published); an index failure is a warning
+    in the result."""
     warning = _write_index(storage, directory, index, fsync)
-    return StagedCheckpoint(storage.stage_commit(storage.join(directory, METADATA_FILE), metadata, fsync=fsync),
-                            warning)
+    commit = storage.begin_commit(storage.join(directory, METADATA_FILE), metadata, fsync=fsync)
+    return PendingPublication(commit, warning)
 
 
 def commit_checkpoint(storage: Storage, directory: str, metadata: MetadataBytes, index: IndexSource = None,
@@ -81,12 +82,12 @@ def commit_checkpoint(storage: Storage, directory: str, metadata: MetadataBytes,
     """Publish the checkpoint in ``directory``: its load index, then ``.metadata``, last (see the
     module docstring). Returns the load index's warning, ``None`` when it was written (or there
     was none); raises when ``.metadata`` could not be written (nothing was published)."""
-    staged = stage_checkpoint(storage, directory, metadata, index, fsync)
+    pending = begin_publication(storage, directory, metadata, index, fsync)
     try:
-        staged.finish()
+        pending.finish()
     finally:
-        staged.discard()
-    return staged.index_warning
+        pending.discard()
+    return pending.index_warning
 
 
 def _write_index(storage: Storage, directory: str, index: IndexSource, fsync: bool) -> str | None:
@@ -103,4 +104,4 @@ def _write_index(storage: Storage, directory: str, index: IndexSource, fsync: bo
     return None
 
 
-__all__ = ["IndexSource", "MetadataBytes", "StagedCheckpoint", "commit_checkpoint", "stage_checkpoint", "unpublish"]
+__all__ = ["IndexSource", "MetadataBytes", "PendingPublication", "begin_publication", "commit_checkpoint", "unpublish"]

@@ -1,8 +1,8 @@
 """Writes prepared_v2.bin: a version-2 prepared file, made by solosave at commit 3a4c78b (the
-last that wrote version 2), for tests/test_prepared.py::test_version_2_files_are_still_read.
+last that wrote version 2), for tests/unit/prepared/test_prepared.py::test_version_2_files_are_still_read.
 
     git archive 3a4c78b src/solosave | tar -x -C /tmp/old
-    PYTHONPATH=/tmp/old/src python tests/data/make_prepared_v2.py tests/data/prepared_v2.bin
+    PYTHONPATH=/tmp/old/src python tests/unit/prepared/data/make_prepared_v2.py tests/unit/prepared/data/prepared_v2.bin
 """
 
 import sys
