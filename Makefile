@@ -15,14 +15,14 @@ PIP := $(BIN)/pip install -q --no-compile
 # Every interpreter that the targets start (ranks, workers, tests) may cache the bytecode of
 # what it imports (in .venv, src/ and tests/; all ignored by git and left out of the sdist): an
 # environment with PYTHONDONTWRITEBYTECODE set (this project's machines have it) otherwise
-# recompiles torch, sympy and DCP from source in every process, which made each worker start
-# about three times as costly (docs/benchmarks.md, section 9).
+# recompiles torch, sympy and DCP from source in every process, which made each worker's start
+# much costlier (docs/benchmarks.md, section 9: what a worker's start costs).
 unexport PYTHONDONTWRITEBYTECODE
 
 TRAIN_DIR ?= runs/train
 # pytest-xdist processes for `make test`: most tests wait on process start-ups, deadlines and
 # other ranks, so one and a half per usable core (3 on 2 cores) keeps the CPU busy without
-# starving the ranks of tests that run at once.
+# starving the ranks of tests that run at once (3 against 4: docs/benchmarks.md, section 9).
 TEST_JOBS ?= $(shell $(PY) -c "import os; n = len(os.sched_getaffinity(0)); print(max(2, n + n // 2))")
 
 .PHONY: train test test-slow lint typecheck wheel-smoke bench device-check test-torch-versions clean
@@ -33,8 +33,8 @@ $(TRAIN_DEPS): pyproject.toml requirements-train.txt
 	$(PIP) --no-deps -e .
 	touch $@
 
-# The extras go in with uv (pinned; pip installs it): this target took 5.7 s here where pip took
-# 40 s, most of it pip's own CPU (docs/benchmarks.md, section 9). uv reads no pip configuration:
+# The extras go in with uv (pinned; pip installs it): much faster here than pip, which spent most
+# of its time on its own CPU (docs/benchmarks.md, section 9). uv reads no pip configuration:
 # where uv cannot be installed or cannot reach the packages (an index that only pip is configured
 # for), pip installs them instead.
 # torch stays as requirements-train.txt pinned it (the installed 2.13.0 satisfies every extra).

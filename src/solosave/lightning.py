@@ -20,7 +20,12 @@ sharded state dicts) are Lightning's strategies with their checkpoint methods re
   ``options`` name another (a relative path lies in the root). Lightning's own files
   (``meta.pt``: the loops, callbacks, hyperparameters) are written by rank 0 only after
   ``.metadata`` is published: Lightning takes a directory holding ``meta.pt`` as a finished
-  checkpoint, so an unfinished or failed save is never taken for one. No collective runs in the
+  checkpoint, so an unfinished or failed save is never taken for one. Each save is written
+  beside its destination, in ``.<name>.solosave-<n>``, and only then put in its place by rank 0
+  (an atomic exchange of the two names where Linux offers it): a save into a path that holds a
+  checkpoint (``last.ckpt`` with ``save_last=True``) leaves the earlier one loadable there until
+  the new one is complete, whatever kills the job meanwhile. A side directory that a killed job
+  left behind is put in place at the next start if it was complete, else removed. No collective runs in the
   training thread: the path is not broadcast (ranks that disagree fail that save, on every
   rank) and the Trainer's barrier after each save is skipped (there is nothing to wait for).
 * ``load_checkpoint`` is :func:`solosave.load` (each rank reads its own shards; resharding to
@@ -49,9 +54,11 @@ collective (solosave's load).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -62,6 +69,7 @@ from solosave._src.core.errors import SolosaveError
 from solosave._src.load.load import load as solosave_load
 from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions
+from solosave._src.storage.local import replace_path
 from solosave._src.storage.registry import backend_for
 from solosave._src.tools.framework import PublishedSave, Publisher, options_in_root
 from solosave._src.tools.retention import remove_checkpoint as remove_dcp_checkpoint
@@ -80,6 +88,9 @@ log = logging.getLogger("solosave")
 
 #: The name of the Trainer's barrier after every ``save_checkpoint``; skipped: the save is asynchronous.
 _SAVE_BARRIER = "Trainer.save_checkpoint"
+#: A save to ``<dir>/<name>`` is written to ``<dir>/.<name>.solosave-<n>``, then put in place.
+_BESIDE = ".solosave-"
+_BESIDE_NAME = re.compile(r"\.(.+)\.solosave-(\d+)")
 
 
 def _wrapped(model: torch.nn.Module | None) -> torch.nn.Module:
@@ -106,6 +117,10 @@ class _SolosaveCheckpointing:
         self._writer = writer
         self._publisher: Publisher | None = None
         self._finished: list[PublishedSave] = []
+        #: The saves not yet collected: where each is written (beside) -> its destination.
+        self._beside: dict[str, str] = {}
+        self._discarded: set[str] = set()  # saves (beside) whose checkpoint was removed in flight
+        self._saves_started = 0
         self._raised = 0  # failures of self._publisher already raised
         self._staging: SaveHandle | None = None
         self._interrupted = False
@@ -122,8 +137,11 @@ class _SolosaveCheckpointing:
     def _start(self, root: str) -> Publisher:
         """Every rank, collective once: the checkpointer and its workers; the prepared file in ``root``."""
         options = options_in_root(self._options, root, self.world_size)  # type: ignore[attr-defined]
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            # before the checkpointer's set-up, which every rank joins: no save of this job runs yet
+            _recover_beside(Path(root))
         self._publisher = Publisher(AsyncCheckpointer(options=options, writer=self._writer),
-                                    on_done=self._finished.append)
+                                    on_published=self._put_in_place, on_done=self._collected)
         self._raised = 0
         return self._publisher
 
@@ -173,13 +191,14 @@ class _SolosaveCheckpointing:
         publisher = self._publisher or self._start(os.fspath(path.parent))
         publisher.collect(block=True)  # the previous save: its error is raised now, on every rank
         self._raise_failure()
-        self._clear_destination(path)
         state = {self._model_key: checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         self._check_state(state)
         files = {META_FILE: _serialized(checkpoint)} if self.is_global_zero else None  # type: ignore[attr-defined]
-        handle = publisher.save(int(checkpoint.get("global_step", 0)), state, os.fspath(path), files=files,
-                                overwrite=True)
+        self._saves_started += 1  # the same count on every rank: every rank makes every save
+        beside = os.fspath(path.with_name(f".{path.name}{_BESIDE}{self._saves_started}"))
+        self._beside[beside] = os.fspath(path)
+        handle = publisher.save(int(checkpoint.get("global_step", 0)), state, beside, files=files, overwrite=True)
         self._staging = handle if publisher.checkpointer.options.overlap_staging else None
         if not self._in_a_run():  # no loop will collect it and no teardown will follow: finish it now
             error = self._drain()
@@ -194,17 +213,25 @@ class _SolosaveCheckpointing:
     def _check_state(self, state: dict[str, Any]) -> None:
         """A strategy refuses a state its checkpoints cannot hold (before anything is written)."""
 
-    def _clear_destination(self, path: Path) -> None:
-        """Make ``path`` ready for a directory checkpoint: a file or link there is removed (every
-        rank tries: the first one wins), and an earlier checkpoint there stops counting as
-        finished (rank 0 removes its ``meta.pt``; the save removes its ``.metadata``)."""
-        if path.is_symlink() or path.is_file():
-            try:
-                path.unlink()
-            except (FileNotFoundError, IsADirectoryError):  # another rank got there first
-                pass
-        if self.is_global_zero and path.is_dir():  # type: ignore[attr-defined]
-            (path / META_FILE).unlink(missing_ok=True)
+    def _put_in_place(self, done: PublishedSave) -> None:
+        """Rank 0, once the save written beside its destination is published and holds its
+        ``meta.pt``: it takes the destination's place (or, removed in flight, is deleted)."""
+        final = self._beside.get(done.path)
+        if final is None:
+            return
+        if done.path in self._discarded:
+            _remove(Path(done.path))
+        else:
+            replace_path(done.path, final, _remove)
+
+    def _collected(self, done: PublishedSave) -> None:
+        """Every rank, every finished save: recorded under its destination's name; rank 0 removes
+        what a failed one left beside it (nothing was published there)."""
+        final = self._beside.pop(done.path, done.path)
+        self._discarded.discard(done.path)
+        if done.error is not None and self.is_global_zero and final != done.path:  # type: ignore[attr-defined]
+            _remove(Path(done.path))
+        self._finished.append(dataclasses.replace(done, path=final))
 
     def barrier(self, name: str | None = None) -> None:
         if name == _SAVE_BARRIER:
@@ -236,7 +263,9 @@ class _SolosaveCheckpointing:
         0 alone."""
         target = os.path.abspath(os.fspath(filepath))
         p = self._publisher
-        if p is not None and p.in_flight is not None and os.path.abspath(p.in_flight) == target:
+        flight = None if p is None else p.in_flight
+        if p is not None and flight is not None and os.path.abspath(self._beside.get(flight, flight)) == target:
+            self._discarded.add(flight)
             p.collect(block=True, discard_files=True)
         if not self.is_global_zero:  # type: ignore[attr-defined]
             return
@@ -253,6 +282,9 @@ class _SolosaveCheckpointing:
         path = _local_path(checkpoint_path)
         if self._publisher is not None:
             self._publisher.collect(block=True)  # it may be the checkpoint being saved
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no checkpoint there (a save is put there only once it is published "
+                                    "and finished); load an earlier checkpoint")
         if not path.is_dir():
             return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
         if not (path / META_FILE).is_file():
@@ -421,6 +453,32 @@ def _serialized(checkpoint: Mapping[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(dict(checkpoint), buf)
     return buf.getvalue()
+
+
+def _recover_beside(root: Path) -> None:
+    """Rank 0, before any save of this job: the side directories a killed job left in ``root``.
+    One that holds a finished checkpoint (``meta.pt``, written after publication) is newer than
+    its destination: it takes its place; any other is removed."""
+    try:
+        names = sorted(os.listdir(root), key=_beside_number)
+    except FileNotFoundError:
+        return
+    for name in names:
+        m = _BESIDE_NAME.fullmatch(name)
+        if m is None or not (root / name).is_dir():
+            continue
+        side = root / name
+        if (side / META_FILE).is_file() and (side / ".metadata").is_file():
+            log.warning("solosave: %s was published but not yet put in place when the job ended: now at %s",
+                        side, root / m.group(1))
+            replace_path(side, root / m.group(1), _remove)
+        else:
+            _remove(side)
+
+
+def _beside_number(name: str) -> int:
+    m = _BESIDE_NAME.fullmatch(name)
+    return int(m.group(2)) if m else -1
 
 
 def _remove(path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +198,8 @@ def faults_job(rank: int, world_size: int, root: str, victim: int) -> dict:
                 wait_for_file(marker)
                 os.kill(worker_pid(trainer.strategy.checkpointer), signal.SIGKILL)
 
-    strat = strategy("mp", options=_options(), writer=FaultWriter(victim, "c6", "block", marker))
+    # the save of c6 is written beside it (the third save: .c6.solosave-3), then put in place
+    strat = strategy("mp", options=_options(), writer=FaultWriter(victim, ".c6.solosave-3", "block", marker))
     t = trainer(root, strat, 10, [SaveEveryTwo()], checkpointing=False)
     try:
         t.fit(module_class("mp")(), loader())
@@ -208,6 +210,34 @@ def faults_job(rank: int, world_size: int, root: str, victim: int) -> dict:
     seen["checkpointer_closed"] = strat.checkpointer is None
     try:
         strat.load_checkpoint(f"{root}/c6")
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         seen["load_c6"] = str(e)
     return seen
+
+
+def last_ckpt_job(rank: int, world_size: int, root: str, phase: str) -> dict:
+    """``save_last=True, save_top_k=0``: every save goes to ``last.ckpt``. ``kill``: the second
+    save (step 4) blocks on rank 1 mid-write and every rank then SIGKILLs itself (the whole
+    job dies mid-save); ``resume``: a new job fits from ``last.ckpt``, which still holds step 2."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.faults.fault_fns import FaultWriter, wait_for_file
+
+    marker = f"{root}/marker"
+    ckpt = ModelCheckpoint(dirpath=root, save_last=True, save_top_k=0, every_n_train_steps=2)
+    out: dict[str, Any] = {}
+    if phase == "kill":
+        def die_when_blocked() -> None:  # a thread: the training thread may be waiting in the next save
+            wait_for_file(marker)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=die_when_blocked, daemon=True).start()
+        writer = FaultWriter(1, ".last.ckpt.solosave-2", "block", marker, block_s=120.0)
+        t = trainer(root, strategy("mp", options=_options(), writer=writer), 40, [ckpt])
+        t.fit(module_class("mp")(), loader())
+        return {"survived": True}  # never reached: the job dies in its second save
+    t = trainer(root, strategy("mp", options=_options()), 6, [ckpt, snapshot_at({2}, out)])
+    t.fit(module_class("mp")(), loader(), ckpt_path=f"{root}/last.ckpt")
+    return {"resumed_at": sorted(out), "step": t.global_step,
+            "left_beside": sorted(n for n in os.listdir(root) if ".solosave-" in n)}

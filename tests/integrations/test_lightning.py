@@ -23,7 +23,7 @@ from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint  # noqa: E40
 import solosave  # noqa: E402
 import solosave.lightning  # noqa: E402
 from tests.integrations import lightning_fns as lf  # noqa: E402
-from tests.support import assert_equal, run_ranks  # noqa: E402
+from tests.support import assert_equal, run_ranks, run_ranks_tolerant  # noqa: E402
 
 WORLD = 2
 REUSE = {"all_reduce": {"count": 1, "bytes": 8}}
@@ -106,14 +106,29 @@ def test_removed_in_flight_and_killed_worker_are_never_taken_as_finished(tmp_pat
         assert not any(r[f"c{s}_finished_after_save"] for s in (2, 4, 6))
         kind, message, step = r["error"]  # step 6's failure, raised on every rank at the next save
         assert step == 8 and kind == ("WorkerDiedError" if rank == victim else "CheckpointError"), r["error"]
-        assert rank == victim or "save to " + os.path.join(root, "c6") in message
+        assert rank == victim or "save to " + os.path.join(root, ".c6.solosave-3") in message  # written beside c6
         assert r["finished"] == {"c2": True, "c4": False, "c6": False} and r["checkpointer_closed"]
-        assert "is not a finished checkpoint: it holds no meta.pt" in r["load_c6"]
     assert res[0]["c4_exists_after_remove"] is False  # removed (by rank 0) once its save finished
     assert sorted(os.listdir(tmp_path / "c2")) == [".metadata", ".solosave-index", "__0_0.distcp",
                                                    "__1_0.distcp", "meta.pt"]
     assert not os.path.exists(tmp_path / "c4")
-    assert not {".metadata", "meta.pt"} & set(os.listdir(tmp_path / "c6"))  # partial, never published
+    assert not os.path.exists(tmp_path / "c6")  # written beside it, never published: never put in place
+    assert [n for n in os.listdir(tmp_path) if ".solosave-" in n] == []  # rank 0 removed the failed one
+    assert "no checkpoint there" in res[0]["load_c6"]
+
+
+@pytest.mark.timeout(600)
+def test_a_job_killed_while_saving_into_last_ckpt_keeps_the_previous_one(tmp_path):
+    """Was data loss: the save into last.ckpt removed its meta.pt and .metadata first, so a
+    SIGKILL meanwhile left no checkpoint and fit(ckpt_path=last.ckpt) was refused."""
+    root = str(tmp_path)
+    killed = run_ranks_tolerant(lf.last_ckpt_job, WORLD, root, "kill", timeout=300)
+    assert all(kind == "died" for kind, _ in killed.values()), killed
+    assert sorted(os.listdir(tmp_path / "last.ckpt")) == [".metadata", ".solosave-index", "__0_0.distcp",
+                                                          "__1_0.distcp", "meta.pt"]
+    for r in run_ranks(lf.last_ckpt_job, WORLD, root, "resume", timeout=300):
+        assert r["step"] == 6 and r["left_beside"] == []  # the partial save beside it was removed at start
+        assert 2 not in r["resumed_at"]  # resumed after step 2: its step was not trained again
 
 
 # -- in one process ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@ all, a rank that cannot read or write its side stays in step, a bad header break
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -144,3 +145,28 @@ def test_checkpoint_file_names_pass_the_header_check(name):
 
     assert PEER_FILE.match(name)
     assert not PEER_FILE.match("sub/" + name) and not PEER_FILE.match(name + ".tmp")
+
+
+def test_a_header_announcing_more_than_the_receiver_can_hold_is_refused_naming_the_peer(tmp_path):
+    """Was: a header announcing a 2**50-byte file made the receiver build its whole receive plan
+    (one entry per chunk) and die with MemoryError before any byte arrived."""
+
+    def evil(ch):  # rank 0 sends a header announcing a file of 2**50 bytes, then stops
+        header = json.dumps({"files": [["__0_0.distcp", 1 << 50]], "error": None}).encode()
+        theirs = int.from_bytes(ch.exchange(1, len(header).to_bytes(8, "little"), 1, 8), "little")
+        ch.exchange(1, header, 1, theirs)
+        return "sent"
+
+    res, _ = _run_ranks([evil, lambda ch: ring_pass(ch, 0, 0, [], _sink_into(tmp_path / "d"), max_bytes=1 << 30)],
+                        timeout=2.0)
+    assert isinstance(res[1], ChannelError) and "rank 0 announced 1125899906842624 bytes" in str(res[1]), res[1]
+    assert not (tmp_path / "d").exists()  # nothing opened
+
+
+def test_the_receive_plan_is_computed_per_chunk():
+    from solosave._src.coordination.transfer import _ChunkPlan
+
+    plan = _ChunkPlan([10, 0, 3, 1 << 50], 4)
+    assert len(plan) == 3 + 0 + 1 + (1 << 48)  # a count, not a list: no memory per chunk
+    assert [plan[i] for i in range(4)] == [(0, 4), (0, 4), (0, 2), (2, 3)]
+    assert plan[4] == (3, 4) and plan[len(plan) - 1] == (3, 4)

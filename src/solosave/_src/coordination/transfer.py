@@ -21,7 +21,9 @@ broken, as after any failed collective).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -68,11 +70,12 @@ class PassResult:
 
 def ring_pass(channel: Channel, send_to: int, recv_from: int, outgoing: Sequence[Outgoing],
               open_sink: Callable[[str, int], Any], stop: Callable[[], bool] | None = None,
-              chunk: int = CHUNK) -> PassResult:
+              chunk: int = CHUNK, max_bytes: int | None = None) -> PassResult:
     """Send ``outgoing`` to ``send_to`` and receive from ``recv_from`` (see the module docstring).
     ``open_sink(name, size)`` gives the object a received file is written to (``write``,
     ``commit``, ``close``, as a ``DataFile``); ``stop()`` is checked between chunks; ``chunk``:
-    bytes per message (the same on every rank)."""
+    bytes per message (the same on every rank); ``max_bytes``: the most this rank can receive
+    (its free space): a header announcing more breaks the channel before anything is opened."""
     res = PassResult()
     files, error = _sizes(outgoing)
     header = json.dumps({"files": files, "error": error}).encode()
@@ -82,8 +85,12 @@ def ring_pass(channel: Channel, send_to: int, recv_from: int, outgoing: Sequence
         raise ChannelError(f"rank {recv_from} announced a header of {size} bytes (at most {MAX_HEADER})")
     theirs = _read_header(channel.exchange(send_to, header, recv_from, size), recv_from)
     incoming = [(name, size) for name, size in theirs["files"]]
+    total = sum(size for _, size in incoming)
+    if max_bytes is not None and total > max_bytes:
+        raise ChannelError(f"rank {recv_from} announced {total} bytes of files, more than this rank can hold "
+                           f"({max_bytes} bytes free); nothing was received")
     out_chunks = _ChunkReader(outgoing, files, chunk)
-    in_plan = [(i, min(chunk, size - off)) for i, (_, size) in enumerate(incoming) for off in range(0, size, chunk)]
+    in_plan = _ChunkPlan([size for _, size in incoming], chunk)
     sinks, write_error = _open_sinks(incoming, open_sink)
     try:
         write_error = _move(channel, send_to, recv_from, out_chunks, in_plan, incoming, sinks, res, files, chunk,
@@ -102,7 +109,24 @@ def ring_pass(channel: Channel, send_to: int, recv_from: int, outgoing: Sequence
     return res
 
 
-def _move(channel: Channel, send_to: int, recv_from: int, out_chunks: Any, in_plan: list[tuple[int, int]],
+class _ChunkPlan:
+    """Which file each received chunk belongs to, and its size, computed per step (memory: one
+    count per file, whatever the sizes announced)."""
+
+    def __init__(self, sizes: list[int], chunk: int) -> None:
+        self.sizes, self.chunk = sizes, chunk
+        self.ends = list(itertools.accumulate(-(-s // chunk) for s in sizes))  # chunks up to each file
+
+    def __len__(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def __getitem__(self, step: int) -> tuple[int, int]:
+        i = bisect.bisect_right(self.ends, step)
+        first = self.ends[i - 1] if i else 0
+        return i, min(self.chunk, self.sizes[i] - (step - first) * self.chunk)
+
+
+def _move(channel: Channel, send_to: int, recv_from: int, out_chunks: Any, in_plan: _ChunkPlan,
           incoming: list[tuple[str, int]], sinks: list[Any], res: PassResult, files: list[tuple[str, int]],
           chunk: int, stop: Callable[[], bool] | None, write_error: str | None) -> str | None:
     """Step 2: the chunks both ways. Returns the first write error (the pass goes on after it,

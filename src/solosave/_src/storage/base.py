@@ -206,6 +206,11 @@ class Storage(ABC):
     @abstractmethod
     def dirname(cls, path: Any) -> str: ...
 
+    def free_bytes(self, path: str) -> int | None:
+        """Bytes that can still be written under ``path`` (``None``: unknown, e.g. an object
+        store). Bounds what a peer may send (a header announcing more is refused)."""
+        return None
+
     def same_location(self, a: str, b: str) -> bool:
         """Whether paths ``a`` and ``b`` of this storage reach the same directory or object, so
         that writing one would overwrite the other. The default compares normalized names;

@@ -10,6 +10,8 @@ itself survives a power loss. Stock DCP's ``FileSystemWriter.finish`` removes th
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import io
 import os
 import re
@@ -58,6 +60,50 @@ def unlink_if_present(path: Any) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap what the names ``a`` and ``b`` point to, atomically (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``: a reader sees one or the other, never neither), then fsync their
+    directory. Returns ``False``, changing nothing, where the kernel, the C library or the file
+    system does not offer it; raises ``OSError`` for other failures."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # no glibc >= 2.28 here
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            return False
+        raise OSError(err, f"exchanging {os.fspath(a)} and {os.fspath(b)}: {os.strerror(err)}")
+    fsync_dir(os.path.dirname(os.path.abspath(b)))
+    return True
+
+
+def replace_path(new: str | os.PathLike, final: str | os.PathLike, remove: Any) -> None:
+    """Put the directory (or file) ``new`` at ``final``, whatever ``final`` holds now (a
+    directory, a file, a link, nothing), so that ``final`` always names a complete one: with an
+    atomic exchange where the system has one (the old one then sits at ``new`` until
+    ``remove(path)`` deletes it), else by renaming the old one aside first (one brief moment
+    without ``final``; the old one stays under ``.<name>.replaced`` until it is deleted)."""
+    final_p = Path(final)
+    if not (final_p.exists() or final_p.is_symlink()):
+        os.rename(new, final)
+    elif exchange_paths(new, final):
+        remove(Path(new))
+    else:
+        aside = final_p.with_name(f".{final_p.name}.replaced")
+        remove(aside)
+        os.rename(final, aside)
+        os.rename(new, final)
+        remove(aside)
+    fsync_dir(final_p.parent)
 
 
 def check_local_path(path: str | os.PathLike) -> None:
@@ -179,6 +225,15 @@ class LocalStorage(Storage):
     def dirname(cls, path: Any) -> str:
         return os.path.dirname(os.fspath(path))
 
+    def free_bytes(self, path: str) -> int | None:
+        p = Path(path).absolute()
+        while not p.exists() and p != p.parent:  # the nearest directory that exists holds the space
+            p = p.parent
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            return None
+
     def same_location(self, a: str, b: str) -> bool:
         """Resolved locations (symbolic links, ``..``), then, for paths that exist, device and
         inode (a bind mount reaches one directory under two resolved names)."""
@@ -267,5 +322,6 @@ class LocalStorage(Storage):
             pass
 
 
-__all__ = ["LocalDataFile", "LocalStorage", "RenameCommit", "RenamedDataFile", "check_local_path", "fsync_dir",
+__all__ = ["LocalDataFile", "LocalStorage", "RenameCommit", "RenamedDataFile", "check_local_path", "exchange_paths",
+           "fsync_dir", "replace_path",
            "pread_all", "unlink_if_present"]

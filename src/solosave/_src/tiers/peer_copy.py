@@ -69,7 +69,7 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
         st.makedirs(directory)
     except OSError as e:
         error = error or f"creating {directory} failed: {describe(e)}"
-    res = ring_pass(ch, nxt, prv, outgoing, sink, stop)
+    res = ring_pass(ch, nxt, prv, outgoing, sink, stop, max_bytes=st.free_bytes(directory))
     error = error or res.error
     agreed = ch.agree(Status.OK if error is None else Status.FAILED, save_identity(seq, "peer:" + directory),
                       f"peer copy of save {seq}", error=error)

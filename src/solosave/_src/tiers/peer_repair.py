@@ -125,7 +125,7 @@ def repair_from_peers(directory: str, holders: Sequence[bool], ranks_per_host: i
                 out = _files_of(st, directory, rank_files, with_metadata)
             except OSError as e:  # nothing sent; the pass still runs, in step
                 error = error or f"listing {directory} failed: {describe(e)}"
-        res = ring_pass(ch, to, frm, out, sink)
+        res = ring_pass(ch, to, frm, out, sink, max_bytes=st.free_bytes(directory))
         error = error or res.error
     ok = not ch.agree_ok(error)
     if ok and here_missing and r % L == 0:
