@@ -193,9 +193,9 @@ def find_restore_point(save_dir: str | os.PathLike | None, durable_root: str | o
     """The checkpoint to resume from, as ``(step, path)``, or ``None``: the newest step published
     on either tier, from the fast tier (``save_dir``) when every rank finds it complete there,
     else from ``durable_root``; every rank gets the same answer. Every rank of
-    ``process_group`` calls it (one 8-byte ``all_reduce`` per step examined, normally one;
-    :mod:`solosave._src.tiers.choice`). Without ``durable_root``: :func:`find_latest_checkpoint`
-    (no collective).
+    ``process_group`` calls it (one 8-byte ``all_reduce`` per step examined and one of the chosen
+    copy's ``save_id``, normally two; :mod:`solosave._src.tiers.choice`). Without
+    ``durable_root``: :func:`find_latest_checkpoint` (no collective).
 
     ``ranks_per_host`` (checkpoints saved with ``peer_copy``; the checkpointer's
     ``peer_ranks_per_host``): first, the hosts whose fast tier misses the newest step that

@@ -209,7 +209,8 @@ def change_before_overlapped_copy(rank: int, ws: int, root: str, how: str) -> di
     from solosave._src.plan.local_plan import plan_local
     from solosave._src.staging.staging import Stager
 
-    sd = {"big": torch.arange(float(1 << 22)), "small": torch.ones(8)}
+    base = torch.arange(float(1 << 22)).reshape(1 << 11, 1 << 11)
+    sd = {"big": base.t() if how.startswith("view") else torch.arange(float(1 << 22)), "small": torch.ones(8)}
     plan = plan_local(sd)
     gate = _gate_copies()
     stager = Stager()
@@ -222,6 +223,14 @@ def change_before_overlapped_copy(rank: int, ws: int, root: str, how: str) -> di
             sd["big"].untyped_storage().resize_(0)
         elif how == "set":
             sd["big"].set_(torch.zeros(1 << 22).untyped_storage())
+        elif how == "view_grow":  # the base of the saved view (base.t()): its storage reallocated
+            base.resize_(1 << 12, 1 << 12)
+        elif how == "view_free":
+            base.untyped_storage().resize_(0)
+        elif how == "view_drop":
+            plan.values.clear()
+            del sd["big"], base
+            gc.collect()
         elif how == "drop":
             plan.values.clear()
             del sd["big"]

@@ -206,20 +206,23 @@ def test_close_while_an_overlapped_copy_runs_does_not_crash(tmp_path, case_log, 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["grow", "free", "set", "drop"])
+@pytest.mark.parametrize("how", ["grow", "free", "set", "drop", "view_grow", "view_free", "view_drop"])
 def test_a_saved_tensor_resized_or_freed_before_its_overlapped_copy(tmp_path, case_log, how):
     t0 = time.monotonic()
     res = run_ranks_tolerant(L.change_before_overlapped_copy, 1, str(tmp_path), how, timeout=100)
     kind, out = res[0]
     assert kind == "ok", (kind, out)  # before: SIGSEGV
-    if how == "drop":
+    if how.endswith("drop"):
         assert out["error"] is None  # a dropped tensor is kept alive until its copy ends
     else:
         assert out["error"].startswith("StagingRaceError") and "'big'" in out["error"], out
     what = {"grow": "resized larger (resize_)", "free": "whose storage was freed (untyped_storage().resize_(0))",
-            "set": "whose storage was replaced (set_)", "drop": "dropped by the caller (del)"}[how]
+            "set": "whose storage was replaced (set_)", "drop": "dropped by the caller (del)",
+            "view_grow": "saved as a view (base.t()) whose base was resized larger",
+            "view_free": "saved as a view (base.t()) whose base's storage was freed",
+            "view_drop": "saved as a view (base.t()) whose base was dropped (del)"}[how]
     case_log(f"overlap_staging: a saved tensor {what} before its copy ran",
              "no crash; " + ("StagingRaceError naming the key from the staging's wait (wait_staged()); "
-                             "its bytes were never read" if how != "drop"
+                             "its bytes were never read" if not how.endswith("drop")
                              else "no error: the staging holds the tensor until its copy ends"),
              time.monotonic() - t0)

@@ -353,9 +353,9 @@ def overlap_staging(rank, ws, root):
             got = zeros_like_sd(expect)
             solosave.load(got, f"{root}/s{i}")
             assert_equal(got, expect)
-        gate, real = threading.Event(), _stage._copy_cpu
+        gate, real = threading.Event(), _stage._copy_pieces
         if rank == 1:
-            _stage._copy_cpu = lambda views, srcs: (gate.wait(30), real(views, srcs))
+            _stage._copy_pieces = lambda *args: (gate.wait(30), real(*args))
         h = ck.save(sd, f"{root}/race")
         if rank == 1:
             sd[w].add_(1)  # before wait_staged() and before the copy
@@ -364,7 +364,7 @@ def overlap_staging(rank, ws, root):
                 h.wait_staged()
             except solosave.StagingRaceError as e:
                 out["race"] = str(e)
-            _stage._copy_cpu = real
+            _stage._copy_pieces = real
         try:
             h.wait()
         except solosave.CheckpointError as e:
@@ -452,7 +452,7 @@ def dtensor_foreach_step_during_overlapped_staging(rank, ws, root):
     p = torch.nn.Parameter(distribute_tensor(torch.arange(64.0 * ws), mesh, [Shard(0)]))
     p.grad = distribute_tensor(torch.ones(64 * ws), mesh, [Shard(0)])
     opt = torch.optim.SGD([p], lr=1.0, foreach=True)
-    real = _stage._copy_cpu
+    real = _stage._copy_pieces
     started = threading.Event()
 
     def late_copy(*args, **kwargs):  # the copy starts after the step would have run
@@ -461,7 +461,7 @@ def dtensor_foreach_step_during_overlapped_staging(rank, ws, root):
         return real(*args, **kwargs)
 
     out = {}
-    _stage._copy_cpu = late_copy
+    _stage._copy_pieces = late_copy
     try:
         with solosave.AsyncCheckpointer(overlap_staging=True, persistent_worker=False, timeout=60) as ck:
             before = p.to_local().detach().clone()
@@ -486,7 +486,7 @@ def dtensor_foreach_step_during_overlapped_staging(rank, ws, root):
             except solosave.CheckpointError:
                 out["b_published"] = os.path.exists(f"{root}/b/.metadata")
     finally:
-        _stage._copy_cpu = real
+        _stage._copy_pieces = real
     return out
 
 

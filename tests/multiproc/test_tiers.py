@@ -97,3 +97,16 @@ def test_a_durable_root_that_reaches_the_fast_checkpoint_is_refused(tmp_path):
     for o in out:
         assert len(o["errors"]) == 4 and all("would be the checkpoint itself" in e for e in o["errors"]), o["errors"]
         assert o["loads"]
+
+
+def test_a_stale_or_damaged_fast_copy_is_never_mixed_in_the_durable_copy_is_read(tmp_path):
+    """Was: ranks agreed on the step and name only, so one rank restored another job's step 10
+    from its fast tier; and a truncated fast copy was chosen, failing the load, though a
+    complete durable copy existed."""
+    out = run_ranks(tier_fns.stale_and_damaged_fast_copies, 2, str(tmp_path), TIMEOUT, timeout=200)
+    want = str(tmp_path / "durable" / "iter_0000010")
+    for o in out:
+        for label in ("other_job_on_one_host", "truncated", "truncated_no_index"):
+            assert o[label]["load"] == want, (label, o[label])
+        assert o["other_job_on_one_host"]["point"] == (10, want)
+        assert o["truncated"]["point"] == (10, want)

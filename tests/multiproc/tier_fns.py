@@ -299,3 +299,42 @@ def durable_root_reaching_fast(rank: int, ws: int, root: str, timeout: float) ->
     dist.barrier()
     out["loads"] = _loads(state(rank, 1), f"{fast}/iter_1")
     return out
+
+
+def stale_and_damaged_fast_copies(rank: int, ws: int, root: str, timeout: float) -> dict:
+    """Step 10 of this job on both tiers; rank 1's view of the fast tier holds another job's
+    step 10 (same name and model, other values): every rank restores this job's, from the
+    durable tier. Then the fast copy is damaged: a truncated data file (seen through the load
+    index's file ends), and a truncated one in a copy without its index (found only while
+    loading): every rank loads the durable copy instead. Each load is checked bit for bit."""
+    import shutil
+
+    from solosave.integrations import CheckpointManager, find_restore_point
+
+    _fresh(root)
+    fast, durable, old = f"{root}/fast", f"{root}/durable", f"{root}/old"
+    with solosave.AsyncCheckpointer(timeout=timeout) as ck:  # the other job: step 10, other values
+        ck.save(state(rank, 99), f"{old}/iter_0000010").wait(timeout)
+    manager = CheckpointManager(fast, solosave.AsyncCheckpointer(durable_root=durable, timeout=timeout))
+    manager.save(10, state(rank, 10))
+    manager.finish()
+    dist.barrier()
+    out: dict = {}
+
+    def restore(fast_dir: str, label: str) -> None:
+        sd = zeros_like(state(rank, 10))
+        out[label] = {"point": find_restore_point(fast_dir, durable),
+                      "load": solosave.load(sd, f"{fast_dir}/iter_0000010", durable_root=durable)}
+        assert_equal(state(rank, 10), sd)
+
+    restore(fast if rank == 0 else old, "other_job_on_one_host")
+    if rank == 0:
+        shutil.copytree(fast, f"{root}/cut")
+        shutil.copytree(fast, f"{root}/cut-noindex")
+        os.remove(f"{root}/cut-noindex/iter_0000010/.solosave-index")
+        for d in ("cut", "cut-noindex"):
+            os.truncate(f"{root}/{d}/iter_0000010/__1_0.distcp", 100)
+    dist.barrier()
+    restore(f"{root}/cut", "truncated")
+    restore(f"{root}/cut-noindex", "truncated_no_index")
+    return out

@@ -388,6 +388,8 @@ def test_version_2_files_are_still_read(tmp_path):
     # the file was written under a torch whose Metadata has a version field; a torch without one
     # (2.8) builds the index without it
     assert old_dir.pop("version") == "1.0.0" and new_dir.pop("version") == METADATA_VERSION.get("version")
+    # the data files' ends entered the index after version 2 (an index without them is still read)
+    assert "file_ends" not in old_dir and len(new_dir.pop("file_ends")) == len(new_dir["files"])
     assert old_dir == new_dir and old_blobs == new_blobs
 
 

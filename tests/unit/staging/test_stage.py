@@ -63,13 +63,13 @@ def test_the_same_structure_reuses_its_staging_plan_and_items():
 def gated_copy(monkeypatch):
     """The overlapped CPU copy waits for ``gate`` (so a test decides what happens before it)."""
     gate = threading.Event()
-    real = _stage._copy_cpu
+    real = _stage._copy_pieces
 
-    def copy(views, srcs):
+    def copy(*args):
         gate.wait(30)
-        real(views, srcs)
+        real(*args)
 
-    monkeypatch.setattr(_stage, "_copy_cpu", copy)
+    monkeypatch.setattr(_stage, "_copy_pieces", copy)
     return gate
 
 

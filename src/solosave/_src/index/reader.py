@@ -132,6 +132,12 @@ class LoadIndex:
         self.groups: list[list[int]] = directory_json["groups"]
         self.planner_data: dict[str, list[Any]] = directory_json.get("planner_data") or {}
         self.version: str | None = directory_json.get("version")
+        #: Per file, the end of its last record (``None``: an index written before they were kept).
+        self.file_ends: list[int] | None = directory_json.get("file_ends")
+        ends = self.file_ends
+        if ends is not None and (not isinstance(ends, list) or len(ends) != len(self.files)
+                                 or not all(type(e) is int and e >= 0 for e in ends)):
+            raise TypeError("file_ends is not one non-negative int per file")
         if not (isinstance(self.files, list) and isinstance(self.keys, dict) and isinstance(self.groups, list)
                 and isinstance(self.planner_data, dict) and isinstance(self.version, (str, type(None)))):
             raise TypeError("files, keys, groups, planner_data or version of another type")

@@ -161,8 +161,12 @@ def _body(sdm: Mapping[str, Any], planner_data: Mapping[str, Any] | None, table:
         group_rows.append([n, nd, len(first), pos, len(geometry), zlib.crc32(geometry), pos + len(geometry)])
         blobs += [geometry, block.tobytes()]
         pos += len(geometry) + block.nbytes
+    # the least size of each data file (the end of its last record): a shorter one is damaged
+    ends = np.zeros(len(files), np.int64)
+    if len(cfile):
+        np.maximum.at(ends, cfile, coff + clen)
     directory = json.dumps({
-        "files": files, "keys": keys, "groups": group_rows,
+        "files": files, "file_ends": [int(e) for e in ends], "keys": keys, "groups": group_rows,
         "planner_data": {k: list(v) for k, v in (planner_data or {}).items()},
         "version": METADATA_VERSION.get("version"),
     }, separators=(",", ":")).encode()

@@ -61,6 +61,7 @@ from solosave._src.storage.base import Storage
 from solosave._src.storage.dcp_filesystem import DcpFileSystem
 from solosave._src.storage.registry import backend_for, storage_for
 from solosave._src.tiers.choice import choose_copy, complete_here
+from solosave._src.tiers.paths import durable_copy_of
 from solosave._src.tiers.peer_repair import restore_from_peers
 
 log = logging.getLogger(__name__)
@@ -317,8 +318,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
 
     ``durable_root`` (two tiers, ``CheckpointerOptions.durable_root``): ``path`` names the fast
     copy and ``<durable_root>/<name>`` the durable one; the fast copy is loaded when every rank
-    finds it complete, else the durable one, on every rank (:mod:`solosave._src.tiers.choice`: one
-    more 8-byte ``all_reduce``). Returns the path loaded from.
+    finds it complete and the same checkpoint (its ``save_id``), else the durable one, on every
+    rank (:mod:`solosave._src.tiers.choice`: one or two more 8-byte ``all_reduce``). A fast copy
+    found damaged while loading (a truncated or unreadable file, on any rank) is followed by a
+    load of the durable copy, on every rank. Returns the path loaded from.
 
     ``ranks_per_host`` (a checkpoint saved with ``peer_copy``, fast tiers local to each host):
     first, a host whose fast tier misses ``path`` gets its files back from its neighbour hosts
@@ -332,11 +335,22 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
         held = {0: name} if complete_here(path, storage_options) else {}
         restore_from_peers(backend.dirname(backend.normalize(path)), held, ranks_per_host, process_group,
                            storage_options)
-    if durable_root is not None:
-        path = choose_copy(path, durable_root, process_group, storage_options)
-    _load(state_dict, path, process_group, planner, read_metadata_once, safe_globals, storage_options, use_index,
-          distributed)
-    return os.fspath(path)
+    args = (process_group, planner, read_metadata_once, safe_globals, storage_options, use_index, distributed)
+    if durable_root is None:
+        _load(state_dict, path, *args)
+        return os.fspath(path)
+    chosen = choose_copy(path, durable_root, process_group, storage_options)
+    durable = durable_copy_of(path, durable_root)
+    try:
+        _load(state_dict, chosen, *args)
+    except (CorruptCheckpointError, OSError) as e:  # the same on every rank: the load agreed on it
+        if chosen == durable:
+            raise
+        log.warning("solosave.load: the fast copy %s could not be read (%s); loading the durable copy %s",
+                    chosen, e, durable)
+        _load(state_dict, durable, *args)
+        return durable
+    return chosen
 
 
 def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: Any, planner: Any,

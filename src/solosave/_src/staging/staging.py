@@ -54,6 +54,7 @@ from solosave._src.formats.dcp import ItemKey
 from solosave._src.plan.local_plan import serialize_bytes, value_key
 from solosave._src.staging.buffer import STAGING_DIR_ENV, BufferReader, _Buffer, _Lease
 from solosave._src.staging.device import CudaRuntime, DeviceRuntime
+from solosave._src.staging.own_memory import read_own_memory
 
 #: Alignment of every tensor inside a staging buffer (bytes).
 ALIGN = 64
@@ -267,11 +268,37 @@ def _copy_pieces(plan: _Plan, srcs: list[Any], verify: Any) -> None:
             flat = views[i].view(-1)
             for a in range(0, flat.numel(), step):
                 verify(i, j)
-                _copy_cpu([flat[a:a + step]], [srcs[i].view(-1)[a:a + step]])
+                _read_piece(flat[a:a + step], srcs[i].view(-1)[a:a + step])
         else:
             verify(i, j)
-            _copy_cpu(views[i:j], srcs[i:j])
+            for k in range(i, j):
+                _read_piece(views[k], srcs[k])
         i = j
+
+
+def _read_piece(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy CPU tensor ``src`` into ``dst`` (contiguous, of the staging buffer) through
+    :func:`read_own_memory`: a source freed meanwhile fails the staging instead of crashing it.
+    A strided source (a view) is read whole (the bytes it reaches) into a bounce buffer first."""
+    if src.numel() == 0:
+        return
+    if src.is_conj() or src.is_neg() or not src.is_cpu:  # lazy views that torch resolves while copying
+        _copy_cpu([dst], [src])
+        return
+    if src.is_contiguous():
+        done = read_own_memory(dst.data_ptr(), src.data_ptr(), src.nbytes)
+    else:
+        bounce = torch.empty(_extent(src) - src.storage_offset() * src.element_size(), dtype=torch.uint8)
+        done = read_own_memory(bounce.data_ptr(), src.data_ptr(), bounce.nbytes)
+        if done:
+            with torch.no_grad():
+                dst.copy_(bounce.view(src.dtype).as_strided(src.shape, src.stride()))
+    if done is None:
+        _copy_cpu([dst], [src])
+    elif not done:
+        raise StagingRaceError("a saved tensor's memory was freed while it was being staged, so the checkpoint "
+                               "would hold lost values; call handle.wait_staged() before resizing or freeing "
+                               "saved tensors (or their bases)")
 
 
 def _extent(t: torch.Tensor) -> int:

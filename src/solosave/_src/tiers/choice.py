@@ -1,28 +1,34 @@
 """Two tiers: which copy of a checkpoint every rank restores from, the fast one or the durable one.
 
 A checkpoint saved with ``durable_root`` has up to two copies: ``.../NAME`` (the fast tier) and
-``<durable_root>/NAME``. The fast copy is used when *every* rank finds it complete; otherwise
-every rank reads the durable copy. Who calls what (every rank of the process group when
-torch.distributed is initialised; alone otherwise):
+``<durable_root>/NAME``. The fast copy is used when *every* rank finds it complete and every
+rank's fast copy is the same checkpoint (the same ``save_id``; where a rank also sees the durable
+copy published, the durable one's too); otherwise every rank reads the durable copy. Who calls
+what (every rank of the process group when torch.distributed is initialised; alone otherwise):
 
 * :func:`choose_copy` (``solosave.load(..., durable_root=)``): :func:`complete_here` on this
-  rank -> **one** 8-byte ``all_reduce`` (``DistChannel.agree_flags``) of a word with that bit and
-  the checkpoint's identity -> the same path on every rank.
+  rank -> one 8-byte ``all_reduce`` (``DistChannel.agree_flags``) of a word with that bit and the
+  path's identity -> when every rank has it complete, a second one of this rank's fast copy's
+  ``save_id`` (:func:`_same_checkpoint`) -> the same path on every rank.
 * :func:`choose_restore_point` (``integrations.find_restore_point``): candidates, newest first
   (each rank lists both tiers) -> per candidate, one 8-byte ``all_reduce`` of (complete on the
   fast tier here, published on the durable tier here, the step's identity) until a candidate is
   complete on the fast tier on every rank (-> fast) or published on the durable tier for every
-  rank (-> durable). Normally the first candidate settles it: one ``all_reduce``. Ranks that
-  list different newest steps (their fast tiers differ) see the identity mismatch alike and
-  retry with the durable tier alone (which every rank lists alike).
+  rank (-> durable); before either is taken, one more of the chosen copies' ``save_id``. Normally
+  the first candidate settles it: two ``all_reduce``. Ranks that list different newest steps
+  (their fast tiers differ) see the identity mismatch alike and retry with the durable tier alone
+  (which every rank lists alike). A fast copy that is another job's checkpoint under the same
+  name (another ``save_id`` on some rank) is never mixed with this job's: the durable copy is read.
 
 "Complete here" (:func:`complete_here`): ``.metadata`` published and, when the checkpoint has a
-load index that belongs to it, every data file the index names is present. It reads a listing
-and the index's first bytes; nothing of the data.
+load index that belongs to it, every data file the index names is present and at least as long
+as its last record's end (a truncated or emptied file is not complete). It reads a listing and
+the index's first bytes; nothing of the data.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,8 +37,9 @@ import torch.distributed as dist
 
 from solosave._src.coordination.channel import DistChannel
 from solosave._src.coordination.status import save_identity
-from solosave._src.core.errors import IndexUnusable
+from solosave._src.core.errors import IndexUnusable, SolosaveError
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
+from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.index.reader import LoadIndex
 from solosave._src.storage.registry import backend_for, storage_for
 from solosave._src.tiers.paths import durable_copy_of
@@ -62,9 +69,40 @@ def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | 
     if idx is None:
         return True
     try:
-        return all(name in names for name in idx.files)
+        if not all(name in names for name in idx.files):
+            return False
+        if idx.file_ends is None:  # an index written before the ends were kept: names only
+            return True
+        sizes = st.sizes(directory)
+        return all(sizes.get(name, -1) >= end for name, end in zip(idx.files, idx.file_ends))
+    except (OSError, ValueError):
+        return False
     finally:
         idx.close()
+
+
+def identity_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """The ``save_id`` of the checkpoint published at ``path`` as this rank sees it, from its load
+    index (which belongs to that ``.metadata``) or else from the ``.metadata`` itself (a digest of
+    it when it records none); ``None`` when it cannot be read. Never raises."""
+    try:
+        st = storage_for(path, storage_options)
+        directory = st.normalize(path)
+        try:
+            idx = LoadIndex.open(directory, st)
+        except IndexUnusable:
+            idx = None
+        if idx is not None:
+            try:
+                return str(idx.header["save_id"])
+            finally:
+                idx.close()
+        where = st.join(directory, METADATA_FILE)
+        data = st.read(where)
+        save_id = getattr(loads_metadata(data, where).storage_meta, "save_id", None)
+        return str(save_id) if save_id else "sha256:" + hashlib.sha256(data).hexdigest()
+    except (OSError, ValueError, ImportError, SolosaveError):
+        return None
 
 
 def published_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -85,17 +123,34 @@ def _agree(flags: int, step: int, name: str, process_group: Any) -> int | None:
     return DistChannel(process_group).agree_flags(flags, ident)
 
 
+def _same_checkpoint(step: int, chosen: str, other: str | None, process_group: Any,
+                     storage_options: Mapping[str, Any] | None) -> bool:
+    """Whether the copy ``chosen`` is one checkpoint on every rank: one 8-byte agreement of its
+    ``save_id`` as each rank sees it (ranks that see different ones, or none, disagree). Where
+    this rank also sees ``other`` (the durable copy of a fast one) published, its ``save_id``
+    must be the same: a fast copy left by another job under the same name is not taken."""
+    mine = identity_here(chosen, storage_options)
+    ok = mine is not None
+    if ok and other is not None and published_here(other, storage_options):
+        ok = identity_here(other, storage_options) == mine
+    agreed = _agree(int(ok), step, f"checkpoint {mine}", process_group)
+    return agreed is not None and bool(agreed & 1)
+
+
 def choose_copy(path: str | os.PathLike, durable_root: str | os.PathLike, process_group: Any = None,
                 storage_options: Mapping[str, Any] | None = None) -> str:
     """The copy of ``path`` that every rank loads: ``path`` itself when every rank finds it
-    complete, else its durable copy (whether or not that one exists: loading it then says so)."""
+    complete and the same checkpoint, else its durable copy (whether or not that one exists:
+    loading it then says so)."""
     fast = backend_for(path).normalize(path)
     durable = durable_copy_of(fast, durable_root)
     agreed = _agree(FAST if complete_here(fast, storage_options) else 0, 0, durable, process_group)
     if agreed is None:
         raise ValueError(f"the ranks load different checkpoints ({durable!r} on this rank); every rank must "
                          "pass the same path and durable_root")
-    return fast if agreed & FAST else durable
+    if agreed & FAST and _same_checkpoint(0, fast, durable, process_group, storage_options):
+        return fast
+    return durable
 
 
 def choose_restore_point(candidates: Sequence[Candidate], process_group: Any = None,
@@ -123,11 +178,15 @@ def _first_restorable(todo: Sequence[Candidate], process_group: Any,
         agreed = _agree(flags, step, f"restore step {step}", process_group)
         if agreed is None:
             return "mismatch"
-        if agreed & FAST:
-            return step, fast  # type: ignore[return-value]
-        if agreed & DURABLE:
-            return step, durable  # type: ignore[return-value]
+        if agreed & FAST and fast is not None and _same_checkpoint(step, fast, durable, process_group,
+                                                                    storage_options):
+            return step, fast
+        if agreed & DURABLE and durable is not None:
+            if not _same_checkpoint(step, durable, None, process_group, storage_options):
+                return "mismatch"  # the ranks read different durable copies: the durable-only pass says so
+            return step, durable
     return None
 
 
-__all__ = ["choose_copy", "choose_restore_point", "complete_here", "durable_copy_of", "published_here"]
+__all__ = ["choose_copy", "choose_restore_point", "complete_here", "durable_copy_of", "identity_here",
+           "published_here"]
