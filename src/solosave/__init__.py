@@ -41,7 +41,7 @@ from solosave._src.tools.export import ExportReport, export
 from solosave._src.tools.verify import VerifyReport, verify_checkpoint
 from solosave._src.write.writer import FileWriter
 
-__version__ = "0.1.0"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "AsyncCheckpointer",

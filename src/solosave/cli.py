@@ -189,6 +189,11 @@ def _storage_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Build the ``solosave`` argument parser, with one subparser per command.
+
+    The commands are ``train`` (its options are left to ``solosave train --help``), ``inspect``,
+    ``verify``, ``prepare`` and ``export``; ``--version`` prints the installed version.
+    """
     from . import __version__
 
     parser = argparse.ArgumentParser(
@@ -241,6 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``solosave`` command line on ``argv`` and return its exit status.
+
+    ``argv`` defaults to ``sys.argv[1:]``. ``train`` hands the rest of ``argv`` to the demo job's
+    launcher. The other commands are parsed by :func:`build_parser`; an error a user can fix (a
+    solosave error, ``OSError``, ``ImportError`` or ``ValueError``) prints one
+    ``solosave <command>: error: ...`` line to stderr and returns 2. Bad arguments exit through
+    argparse.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
         from .demo.launch import main as train_main

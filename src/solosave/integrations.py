@@ -104,8 +104,9 @@ class RunOptions:
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the checkpointing flags (named as in Megatron-LM) to ``parser``, in their own group:
-    one per field of :class:`RunOptions` and of :class:`~solosave.CheckpointerOptions`."""
+    """Add the checkpointing flags (named as in Megatron-LM) to ``parser``, in their own group.
+
+    One flag per field of :class:`RunOptions` and of :class:`~solosave.CheckpointerOptions`."""
     g = parser.add_argument_group("checkpointing (solosave)")
     add_option_flags(g, RunOptions)
     add_option_flags(g, CheckpointerOptions)
@@ -125,10 +126,11 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
 
 
 def auto_prepared_path(save_dir: str | os.PathLike, world_size: int, workers: int) -> str:
-    """Where ``--ckpt-metadata auto`` keeps its prepared file when it has none to reuse:
-    ``<save>/prepared-w<world size>-n<workers>.metadata``, one per topology (as torchtitan's
-    manager names its own), so a resume at another world size or ``--dist-ckpt-workers`` creates
-    a file of its own instead of meeting one it cannot use."""
+    """Where ``--ckpt-metadata auto`` keeps its prepared file when it has none to reuse.
+
+    The path is ``<save>/prepared-w<world size>-n<workers>.metadata``, one per topology (as
+    torchtitan's manager names its own), so a resume at another world size or
+    ``--dist-ckpt-workers`` creates a file of its own instead of meeting one it cannot use."""
     return backend_for(save_dir).join(save_dir, f"prepared-w{world_size}-n{workers}.metadata")
 
 
@@ -163,9 +165,11 @@ def _iter_names(save_dir: str | os.PathLike, storage_options: StorageOptions) ->
 
 
 def published_checkpoints(save_dir: str | os.PathLike, storage_options: StorageOptions = None) -> list[tuple[int, str]]:
-    """``(step, path)`` of every checkpoint under ``save_dir`` (a local path or a URL;
-    ``storage_options``: keyword arguments of its fsspec filesystem) with a published
-    ``.metadata``, oldest first. Partial checkpoints (no ``.metadata``) are left out."""
+    """List ``(step, path)`` of every published checkpoint under ``save_dir``, oldest first.
+
+    ``save_dir`` is a local path or a URL (``storage_options``: keyword arguments of its fsspec
+    filesystem); a checkpoint counts when it has a published ``.metadata``. Partial checkpoints
+    (no ``.metadata``) are left out."""
     if not save_dir:
         return []
     storage = storage_for(save_dir, storage_options)
@@ -190,11 +194,12 @@ def find_latest_checkpoint(save_dir: str | os.PathLike | None,
 def find_restore_point(save_dir: str | os.PathLike | None, durable_root: str | os.PathLike | None = None, *,
                        process_group: Any = None, storage_options: StorageOptions = None,
                        ranks_per_host: int = 0) -> tuple[int, str] | None:
-    """The checkpoint to resume from, as ``(step, path)``, or ``None``: the newest step published
-    on either tier, from the fast tier (``save_dir``) when every rank finds it complete there,
-    else from ``durable_root``; every rank gets the same answer. Every rank of
-    ``process_group`` calls it (one 8-byte ``all_reduce`` per step examined and one of the chosen
-    copy's ``save_id``, normally two; :mod:`solosave._src.tiers.choice`). Without
+    """The checkpoint to resume from, as ``(step, path)``, or ``None``.
+
+    It is the newest step published on either tier, from the fast tier (``save_dir``) when every
+    rank finds it complete there, else from ``durable_root``; every rank gets the same answer.
+    Every rank of ``process_group`` calls it (one 8-byte ``all_reduce`` per step examined and one
+    of the chosen copy's ``save_id``, normally two; :mod:`solosave._src.tiers.choice`). Without
     ``durable_root``: :func:`find_latest_checkpoint` (no collective).
 
     ``ranks_per_host`` (checkpoints saved with ``peer_copy``; the checkpointer's
@@ -218,12 +223,13 @@ def find_restore_point(save_dir: str | os.PathLike | None, durable_root: str | o
 def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, keep_every: int | None = None,
                          below: int | None = None, storage_options: StorageOptions = None,
                          spare: Collection[str] = ()) -> list[str]:
-    """The checkpoint directories that retention deletes now, oldest first: every one (published
-    or partial) older than the newest published one, except the ``keep_last`` newest published
-    ones and the published ones whose step is a multiple of ``keep_every``. ``below``: consider
-    only steps below it (the manager passes the step it last published, so a save it started
-    since is never touched); ``spare``: paths never deleted now (checkpoints whose durable copy
-    still reads them). Nothing without ``keep_last``."""
+    """The checkpoint directories that retention deletes now, oldest first.
+
+    They are every one (published or partial) older than the newest published one, except the
+    ``keep_last`` newest published ones and the published ones whose step is a multiple of
+    ``keep_every``. ``below``: consider only steps below it (the manager passes the step it last
+    published, so a save it started since is never touched); ``spare``: paths never deleted now
+    (checkpoints whose durable copy still reads them). Nothing without ``keep_last``."""
     published = published_checkpoints(save_dir, storage_options)
     if keep_last is None or not published:
         return []
@@ -241,8 +247,9 @@ def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, kee
 
 def prepared_for_resume(resumed_from: str, world_size: int, workers: int,
                         storage_options: StorageOptions = None) -> PreparedMetadata | None:
-    """The ``.metadata`` of ``resumed_from`` as prepared metadata, if it fits this run
-    (``--ckpt-metadata auto``); ``None`` (with a log line saying why) otherwise."""
+    """The ``.metadata`` of ``resumed_from`` as prepared metadata, if it fits this run.
+
+    For ``--ckpt-metadata auto``; ``None`` (with a log line saying why) otherwise."""
     try:
         prepared = load_prepared_metadata(resumed_from, storage_options=storage_options)
         prepared.check_compatible(world_size, workers)
@@ -254,9 +261,11 @@ def prepared_for_resume(resumed_from: str, world_size: int, workers: int,
 
 def checkpointer_from_args(args: argparse.Namespace, process_group: Any = None,
                            resumed_from: str | None = None, **overrides: Any) -> AsyncCheckpointer:
-    """Build the :class:`~solosave.AsyncCheckpointer` the flags describe (every rank; collective
-    once, for the worker's setup). ``resumed_from``: the checkpoint this run resumed from, used
-    by ``--ckpt-metadata auto``. ``overrides`` replace options (``CheckpointerOptions`` fields)."""
+    """Build the :class:`~solosave.AsyncCheckpointer` the flags describe.
+
+    Every rank calls it; collective once, for the worker's setup. ``resumed_from``: the
+    checkpoint this run resumed from, used by ``--ckpt-metadata auto``. ``overrides`` replace
+    options (``CheckpointerOptions`` fields)."""
     import torch.distributed as dist
 
     validate_checkpoint_args(args)
@@ -273,8 +282,10 @@ def checkpointer_from_args(args: argparse.Namespace, process_group: Any = None,
 
 @dataclass(frozen=True, slots=True)
 class DurableSave:
-    """A durable copy that ended (two tiers): the step, and its ``DurableResult`` (``ok``,
-    ``error``, ``path`` on the durable tier, ...)."""
+    """A durable copy that ended (two tiers).
+
+    It holds the step, and its ``DurableResult`` (``ok``, ``error``, ``path`` on the durable
+    tier, ...)."""
 
     step: int
     result: DurableResult
@@ -368,10 +379,12 @@ class CheckpointManager:
         return self._publisher.is_coordinator
 
     def restore(self, state_dict: dict[str, Any], **load_options: Any) -> tuple[int, str] | None:
-        """Load the newest checkpoint into ``state_dict`` (every rank; collective): with two
-        tiers from the fast copy when every rank finds it complete, else from the durable copy
-        (:func:`find_restore_point`). Returns ``(step, path loaded from)``, or ``None`` (nothing
-        to restore; ``state_dict`` untouched). ``load_options``: keywords of ``solosave.load``."""
+        """Load the newest checkpoint into ``state_dict`` (every rank; collective).
+
+        With two tiers it loads from the fast copy when every rank finds it complete, else from
+        the durable copy (:func:`find_restore_point`). Returns ``(step, path loaded from)``, or
+        ``None`` (nothing to restore; ``state_dict`` untouched). ``load_options``: keywords of
+        ``solosave.load``."""
         group = getattr(self.checkpointer, "process_group", None)
         point = find_restore_point(self.save_dir, self.durable_root, process_group=group,
                                    storage_options=self.storage_options, ranks_per_host=self._ranks_per_host)
@@ -381,36 +394,43 @@ class CheckpointManager:
         return point
 
     def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle:
-        """Save ``state_dict`` as step ``step``. With ``async_save`` it returns after staging;
-        otherwise it waits for publication. A previous save still in flight is finished first."""
+        """Save ``state_dict`` as step ``step``.
+
+        With ``async_save`` it returns after staging; otherwise it waits for publication. A
+        previous save still in flight is finished first."""
         handle = self._publisher.save(step, state_dict, checkpoint_dir(self.save_dir, step), overwrite=self.overwrite)
         if not self.async_save:
             self._publisher.collect(block=True)
         return handle
 
     def poll(self) -> list[PublishedSave]:
-        """Collect the save in flight if it has finished, and the durable copies that ended
-        (non-blocking, no collective)."""
+        """Collect the save in flight if it has finished, and the durable copies that ended.
+
+        Non-blocking, no collective."""
         done = self._publisher.poll()
         self._collect_durable(block=False)
         return done
 
     def wait_for_pruning(self, timeout: float | None = None) -> bool:
-        """Wait until no deletion of old checkpoints is due or running, on either tier (at once on
-        other ranks); ``False`` if ``timeout`` ran out first."""
+        """Wait until no deletion of old checkpoints is due or running, on either tier.
+
+        Returns at once on other ranks; ``False`` if ``timeout`` ran out first."""
         if not self._pruner.wait(timeout):
             return False
         return self._durable_pruner is None or self._durable_pruner.wait(timeout)
 
     def wait_for_copies(self, timeout: float | None = None) -> list[DurableSave]:
-        """Two tiers: wait for every durable copy still running (each at most ``timeout``, default
-        the checkpointer's), and return the ones that ended now."""
+        """Wait for every durable copy still running and return the ones that ended now.
+
+        Two tiers: each copy is waited for at most ``timeout`` (default the checkpointer's)."""
         return self._collect_durable(block=True, timeout=timeout)
 
     def finish(self, timeout: float | None = None) -> list[PublishedSave]:
-        """Wait for the save in flight (bounded), for the durable copies still running (bounded),
+        """Wait (bounded) for the work still running, then close the checkpointer.
+
+        Waits for the save in flight (bounded), for the durable copies still running (bounded),
         then for the deletions still running (bounded by ``timeout``, else :data:`PRUNE_WAIT_S`;
-        past it they go on in the background, and a warning says so), and close the
+        past it they go on in the background, and a warning says so), and closes the
         checkpointer."""
         try:
             done = self._publisher.collect(block=True, timeout=timeout)

@@ -25,7 +25,9 @@ sharded state dicts) are Lightning's strategies with their checkpoint methods re
   (an atomic exchange of the two names where Linux offers it): a save into a path that holds a
   checkpoint (``last.ckpt`` with ``save_last=True``) leaves the earlier one loadable there until
   the new one is complete, whatever kills the job meanwhile. A side directory that a killed job
-  left behind is put in place at the next start if it was complete, else removed. No collective runs in the
+  left behind is put in place at the next start if it was finished after its destination, else
+  removed. With two tiers (``durable_root``) saves are written in place, as the copies follow
+  the directory's name; the earlier checkpoint then stays loadable on the durable tier. No collective runs in the
   training thread: the path is not broadcast (ranks that disagree fail that save, on every
   rank) and the Trainer's barrier after each save is skipped (there is nothing to wait for).
 * ``load_checkpoint`` is :func:`solosave.load` (each rank reads its own shards; resharding to
@@ -194,11 +196,18 @@ class _SolosaveCheckpointing:
         state = {self._model_key: checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         self._check_state(state)
-        files = {META_FILE: _serialized(checkpoint)} if self.is_global_zero else None  # type: ignore[attr-defined]
         self._saves_started += 1  # the same count on every rank: every rank makes every save
-        beside = os.fspath(path.with_name(f".{path.name}{_BESIDE}{self._saves_started}"))
-        self._beside[beside] = os.fspath(path)
-        handle = publisher.save(int(checkpoint.get("global_step", 0)), state, beside, files=files, overwrite=True)
+        files = {META_FILE: _serialized(checkpoint)} if self.is_global_zero else None  # type: ignore[attr-defined]
+        target = os.fspath(path)
+        o = publisher.checkpointer.options
+        if o.durable_root or o.peer_copy:
+            # copies follow each save under its directory's name: written in place, as before
+            # (the earlier checkpoint stays loadable on the durable tier while this one is saved)
+            self._clear_destination(path)
+        else:
+            target = os.fspath(path.with_name(f".{path.name}{_BESIDE}{self._saves_started}"))
+            self._beside[target] = os.fspath(path)
+        handle = publisher.save(int(checkpoint.get("global_step", 0)), state, target, files=files, overwrite=True)
         self._staging = handle if publisher.checkpointer.options.overlap_staging else None
         if not self._in_a_run():  # no loop will collect it and no teardown will follow: finish it now
             error = self._drain()
@@ -213,24 +222,45 @@ class _SolosaveCheckpointing:
     def _check_state(self, state: dict[str, Any]) -> None:
         """A strategy refuses a state its checkpoints cannot hold (before anything is written)."""
 
+    def _clear_destination(self, path: Path) -> None:
+        """A save written in place (two tiers): a file or link at ``path`` is removed (every rank
+        tries: the first one wins), and an earlier checkpoint there stops counting as finished
+        (rank 0 removes its ``meta.pt``; the save removes its ``.metadata``)."""
+        if path.is_symlink() or path.is_file():
+            try:
+                path.unlink()
+            except (FileNotFoundError, IsADirectoryError):  # another rank got there first
+                pass
+        if self.is_global_zero and path.is_dir():  # type: ignore[attr-defined]
+            (path / META_FILE).unlink(missing_ok=True)
+
     def _put_in_place(self, done: PublishedSave) -> None:
         """Rank 0, once the save written beside its destination is published and holds its
-        ``meta.pt``: it takes the destination's place (or, removed in flight, is deleted)."""
+        ``meta.pt``: it takes the destination's place (or, removed in flight, is deleted). A file
+        system error is logged, never raised (it would be raised on rank 0 alone): the save then
+        stays beside its destination, published, and the next start puts it in place."""
         final = self._beside.get(done.path)
         if final is None:
             return
-        if done.path in self._discarded:
-            _remove(Path(done.path))
-        else:
-            replace_path(done.path, final, _remove)
+        try:
+            if done.path in self._discarded:
+                _remove(Path(done.path))
+            else:
+                replace_path(done.path, final, _remove)
+        except OSError as e:
+            log.error("solosave: the checkpoint published at %s could not be put in place at %s: %s",
+                      done.path, final, e)
 
     def _collected(self, done: PublishedSave) -> None:
         """Every rank, every finished save: recorded under its destination's name; rank 0 removes
-        what a failed one left beside it (nothing was published there)."""
+        what a failed one left beside it (nothing was published there; an error is logged)."""
         final = self._beside.pop(done.path, done.path)
         self._discarded.discard(done.path)
         if done.error is not None and self.is_global_zero and final != done.path:  # type: ignore[attr-defined]
-            _remove(Path(done.path))
+            try:
+                _remove(Path(done.path))
+            except OSError as e:
+                log.warning("solosave: could not remove the failed save at %s: %s", done.path, e)
         self._finished.append(dataclasses.replace(done, path=final))
 
     def barrier(self, name: str | None = None) -> None:
@@ -280,8 +310,9 @@ class _SolosaveCheckpointing:
         :func:`solosave.load`, resharded to this world size; a single file by Lightning's own
         code. A directory without ``meta.pt`` is refused: its save failed or never finished."""
         path = _local_path(checkpoint_path)
-        if self._publisher is not None:
-            self._publisher.collect(block=True)  # it may be the checkpoint being saved
+        if self._publisher is not None and self._publisher.collect(block=True):  # it may be the one saved
+            # rank 0 put it in place while collecting it: no rank looks at the path before that
+            super().barrier("solosave: load_checkpoint")  # type: ignore[misc]
         if not path.exists():
             raise FileNotFoundError(f"{path}: no checkpoint there (a save is put there only once it is published "
                                     "and finished); load an earlier checkpoint")
@@ -348,9 +379,10 @@ class _SolosaveCheckpointing:
 
 
 class ModelParallelStrategy(_SolosaveCheckpointing, _LightningModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism) whose checkpoints are
-    solosave's asynchronous saves (see the module docstring); it takes Lightning's arguments
-    plus ``options`` (a :class:`~solosave.CheckpointerOptions`) and ``writer`` (a
+    """Lightning's ``ModelParallelStrategy`` whose checkpoints are solosave's asynchronous saves.
+
+    It covers FSDP2 and tensor parallelism (see the module docstring); it takes Lightning's
+    arguments plus ``options`` (a :class:`~solosave.CheckpointerOptions`) and ``writer`` (a
     :class:`~solosave.FileWriter`). Checkpoints are distributed (``save_distributed_checkpoint``);
     the state dicts are taken without a copy to CPU (solosave's staging makes the one copy)."""
 
@@ -377,9 +409,11 @@ class ModelParallelStrategy(_SolosaveCheckpointing, _LightningModelParallelStrat
 
 
 class FSDPStrategy(_SolosaveCheckpointing, _LightningFSDPStrategy):
-    """Lightning's ``FSDPStrategy`` with sharded state dicts (``state_dict_type="sharded"``, the
-    only kind it takes) whose checkpoints are solosave's asynchronous saves (see the module
-    docstring); it takes Lightning's arguments plus ``options`` and ``writer``.
+    """Lightning's ``FSDPStrategy`` whose checkpoints are solosave's asynchronous saves.
+
+    It uses sharded state dicts (``state_dict_type="sharded"``, the only kind it takes), and its
+    checkpoints are saved by solosave (see the module docstring); it takes Lightning's arguments
+    plus ``options`` and ``writer``.
 
     Its state dicts hold DTensors: unless you pass a ``device_mesh`` (or a ``process_group``),
     the strategy wraps the model with a one-dimensional mesh over every rank (:attr:`device_mesh`;
@@ -457,8 +491,9 @@ def _serialized(checkpoint: Mapping[str, Any]) -> bytes:
 
 def _recover_beside(root: Path) -> None:
     """Rank 0, before any save of this job: the side directories a killed job left in ``root``.
-    One that holds a finished checkpoint (``meta.pt``, written after publication) is newer than
-    its destination: it takes its place; any other is removed."""
+
+    One that holds a checkpoint finished after its destination's (``meta.pt`` is written after
+    publication) takes its place; any other is removed. Errors are logged: rank 0 alone runs this."""
     try:
         names = sorted(os.listdir(root), key=_beside_number)
     except FileNotFoundError:
@@ -467,13 +502,29 @@ def _recover_beside(root: Path) -> None:
         m = _BESIDE_NAME.fullmatch(name)
         if m is None or not (root / name).is_dir():
             continue
-        side = root / name
-        if (side / META_FILE).is_file() and (side / ".metadata").is_file():
-            log.warning("solosave: %s was published but not yet put in place when the job ended: now at %s",
-                        side, root / m.group(1))
-            replace_path(side, root / m.group(1), _remove)
-        else:
-            _remove(side)
+        side, final = root / name, root / m.group(1)
+        # a job killed right after the exchange leaves the earlier checkpoint at the side name:
+        # only one published after what the destination holds is newer
+        try:
+            if _finished_at(side) > _finished_at(final):
+                log.warning("solosave: %s was published but not yet put in place when the job ended: now at %s",
+                            side, final)
+                replace_path(side, final, _remove)
+            else:
+                _remove(side)
+        except OSError as e:
+            log.error("solosave: could not clear %s left by an earlier job: %s", side, e)
+
+
+def _finished_at(path: Path) -> float:
+    """When the checkpoint at ``path`` was finished (its ``meta.pt``, written after publication),
+    or -1 if it holds no finished one."""
+    try:
+        if not (path / ".metadata").is_file():
+            return -1.0
+        return (path / META_FILE).stat().st_mtime
+    except OSError:
+        return -1.0
 
 
 def _beside_number(name: str) -> int:

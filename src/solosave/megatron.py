@@ -133,8 +133,10 @@ class SolosaveSaveStrategy(AsyncSaveShardedStrategy):
         return self._checkpointer
 
     def async_save(self, sharded_state_dict: Mapping[str, Any], checkpoint_dir: str | Path) -> AsyncRequest:
-        """Start saving the main replicas of ``sharded_state_dict`` to ``checkpoint_dir`` (every
-        rank); returns once they are staged, with the request that Megatron's queue runs."""
+        """Start saving the main replicas of ``sharded_state_dict`` to ``checkpoint_dir``.
+
+        Every rank calls it; returns once they are staged, with the request that Megatron's queue
+        runs."""
         if self._closed:
             raise ValueError("this SolosaveSaveStrategy is closed; create a new one")
         self._join_watcher()  # the previous save's watcher is the only other user of the checkpointer
@@ -210,10 +212,11 @@ def _watch(handle: SaveHandle, writer: Any, timeout: float) -> None:
 
 
 def wait_for_save(reader: Any, timeout: float) -> None:
-    """The function of the ``AsyncRequest`` (Megatron's async caller runs it in its forked or
-    persistent process, or in the trainer for a synchronous save): return when solosave has
-    finished the save, at most ``timeout`` seconds later. Never raises: a failed save raises in
-    the finalisation instead, on every rank, and an error here would kill Megatron's
+    """Return when solosave has finished the save, at most ``timeout`` seconds later.
+
+    The function of the ``AsyncRequest`` (Megatron's async caller runs it in its forked or
+    persistent process, or in the trainer for a synchronous save). Never raises: a failed save
+    raises in the finalisation instead, on every rank, and an error here would kill Megatron's
     persistent worker and leave its queue waiting."""
     try:
         if reader.poll(timeout):
@@ -227,8 +230,9 @@ def wait_for_save(reader: Any, timeout: float) -> None:
 # -- the state dict solosave saves ---------------------------------------------------------------
 
 class MegatronShards:
-    """The main-replica shards of one Megatron ``ShardedTensor`` key held by this rank, as a DCP
-    checkpointable object (``__create_write_items__``, ``__create_chunk_list__``,
+    """The main-replica shards of one Megatron ``ShardedTensor`` key held by this rank.
+
+    They form a DCP checkpointable object (``__create_write_items__``, ``__create_chunk_list__``,
     ``__get_tensor_shard__``): each shard is a chunk of the global tensor at its
     ``global_offset``, with the prepended axes (``prepend_axis_num``) as leading dimensions of
     size 1, the chunks Megatron's own ``torch_dist`` strategy writes."""
@@ -282,11 +286,13 @@ def _with_prepended_axes(key: str, sh: Any) -> torch.Tensor:
 
 
 def dcp_state_dict(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """The flat state dict solosave saves for Megatron's sharded state dict (as Megatron's
-    ``torch_dist`` strategy builds it): the main replicas only; the shards of a ``ShardedTensor``
-    key as one :class:`MegatronShards`; the ``ShardedObject`` s of a unique key as one record
-    holding the list of their data (a :class:`~solosave._src.plan.local_plan.WholeValue`:
-    ``torch.save`` of that list, as Megatron's planner writes it; its loader reads the list back)."""
+    """The flat state dict solosave saves for Megatron's sharded state dict.
+
+    ``sharded_state_dict`` is as Megatron's ``torch_dist`` strategy builds it. The flat state dict
+    holds the main replicas only; the shards of a ``ShardedTensor`` key as one
+    :class:`MegatronShards`; the ``ShardedObject`` s of a unique key as one record holding the
+    list of their data (a :class:`~solosave._src.plan.local_plan.WholeValue`: ``torch.save`` of
+    that list, as Megatron's planner writes it; its loader reads the list back)."""
     tensors: dict[str, list[Any]] = {}
     objects: dict[str, list[Any]] = {}
     for sh in nested_values(dict(sharded_state_dict)):
@@ -310,8 +316,9 @@ def dcp_state_dict(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
 # -- selecting it ---------------------------------------------------------------------------------
 
 def register(strategy: SolosaveSaveStrategy) -> tuple[str, int]:
-    """Register ``strategy`` as Megatron-core's default save strategy of the backend
-    :data:`BACKEND`, ``("solosave", 1)``, and return that key: ``dist_checkpointing.save(...,
+    """Register ``strategy`` as Megatron-core's default save strategy and return its key.
+
+    The key is the backend :data:`BACKEND`, ``("solosave", 1)``: ``dist_checkpointing.save(...,
     sharded_strategy=("solosave", 1))`` then saves through it.
 
     Not under ``("torch_dist", 1)``: megatron-core 0.16's ``get_default_strategy`` registers its
@@ -325,17 +332,20 @@ def register(strategy: SolosaveSaveStrategy) -> tuple[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's ``extra_args_provider``: adds ``--ckpt-metadata FILE``,
-    ``--ckpt-metadata-create``, ``--ckpt-on-layout-drift`` and ``--ckpt-timeout``, in their own group."""
+    """Megatron-LM's ``extra_args_provider``: add solosave's flags to ``parser``.
+
+    It adds ``--ckpt-metadata FILE``, ``--ckpt-metadata-create``, ``--ckpt-on-layout-drift`` and
+    ``--ckpt-timeout``, in their own group."""
     add_option_flags(parser.add_argument_group("solosave"), CheckpointerOptions, only=MEGATRON_FLAGS)
     return parser
 
 
 def strategy_from_args(args: argparse.Namespace, process_group: Any = None) -> SolosaveSaveStrategy:
-    """The strategy Megatron-LM's parsed ``args`` describe: the flags of :func:`add_arguments`,
-    plus Megatron-LM's own ``--dist-ckpt-workers`` (files per rank) and
-    ``--ckpt-assume-constant-structure`` when present. A bad value raises ``ValueError`` naming
-    the flag."""
+    """Build the :class:`SolosaveSaveStrategy` Megatron-LM's parsed ``args`` describe.
+
+    It reads the flags of :func:`add_arguments`, plus Megatron-LM's own ``--dist-ckpt-workers``
+    (files per rank) and ``--ckpt-assume-constant-structure`` when present. A bad value raises
+    ``ValueError`` naming the flag."""
     extra = {}
     if getattr(args, "dist_ckpt_workers", None) is not None:
         extra["files_per_rank"] = args.dist_ckpt_workers

@@ -313,14 +313,17 @@ class SolosaveCheckpointManager(BaseCheckpointManager):
 
 
 def prepared_metadata_path(config: SolosaveCheckpointManager.Config, folder: str, world_size: int) -> str | None:
-    """The prepared metadata file that ``config`` names for a run of ``world_size`` ranks
-    (``None``: keep it in memory only)."""
+    """The prepared metadata file that ``config`` names for a run of ``world_size`` ranks.
+
+    ``None``: keep it in memory only."""
     return prepared_file(config.prepared_metadata, folder, world_size, config.files_per_rank)
 
 
 def checkpointer_options(config: SolosaveCheckpointManager.Config, prepared: str | None) -> CheckpointerOptions:
-    """The :class:`~solosave.CheckpointerOptions` of ``config`` with the prepared file ``prepared``
-    (``None``: in memory). A bad value raises ``ValueError`` naming the ``checkpoint.`` field."""
+    """The :class:`~solosave.CheckpointerOptions` of ``config`` with the prepared file ``prepared``.
+
+    ``prepared`` ``None``: in memory. A bad value raises ``ValueError`` naming the
+    ``checkpoint.`` field."""
     return framework_options(forwarded_values(config), prepared=prepared,
                              overlap_staging=config.async_mode == "async_with_pinned_mem",
                              name_of=lambda name: f"checkpoint.{name}")

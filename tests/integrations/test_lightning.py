@@ -12,6 +12,7 @@ import importlib
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -118,10 +119,11 @@ def test_removed_in_flight_and_killed_worker_are_never_taken_as_finished(tmp_pat
 
 
 @pytest.mark.timeout(600)
-def test_a_job_killed_while_saving_into_last_ckpt_keeps_the_previous_one(tmp_path):
+def test_a_job_killed_while_saving_into_last_ckpt_keeps_the_previous_one(tmp_path, case_log):
     """Was data loss: the save into last.ckpt removed its meta.pt and .metadata first, so a
     SIGKILL meanwhile left no checkpoint and fit(ckpt_path=last.ckpt) was refused."""
     root = str(tmp_path)
+    t0 = time.monotonic()
     killed = run_ranks_tolerant(lf.last_ckpt_job, WORLD, root, "kill", timeout=300)
     assert all(kind == "died" for kind, _ in killed.values()), killed
     assert sorted(os.listdir(tmp_path / "last.ckpt")) == [".metadata", ".solosave-index", "__0_0.distcp",
@@ -129,6 +131,9 @@ def test_a_job_killed_while_saving_into_last_ckpt_keeps_the_previous_one(tmp_pat
     for r in run_ranks(lf.last_ckpt_job, WORLD, root, "resume", timeout=300):
         assert r["step"] == 6 and r["left_beside"] == []  # the partial save beside it was removed at start
         assert 2 not in r["resumed_at"]  # resumed after step 2: its step was not trained again
+    case_log("Lightning save_last=True, save_top_k=0: the whole job SIGKILLed during the save into last.ckpt",
+             "last.ckpt still holds the previous finished checkpoint; fit(ckpt_path=last.ckpt) resumes from it",
+             time.monotonic() - t0)
 
 
 # -- in one process ---------------------------------------------------------------------------
@@ -148,6 +153,32 @@ def test_bad_arguments_name_the_fix(tmp_path):
     (tmp_path / "partial").mkdir()
     with pytest.raises(ValueError, match="is not a finished checkpoint: it holds no meta.pt"):
         s.load_checkpoint(tmp_path / "partial")
+
+
+def test_recovery_puts_only_a_newer_finished_save_in_place(tmp_path):
+    from solosave._src.storage.local import exchange_paths
+    from solosave.lightning import _recover_beside
+
+    final, side = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.solosave-3"
+
+    def finished(d, tag):
+        d.mkdir()
+        (d / ".metadata").write_bytes(tag)
+        time.sleep(0.02)
+        (d / "meta.pt").write_bytes(tag)
+
+    finished(final, b"old")
+    finished(side, b"new")
+    assert exchange_paths(side, final)  # a job killed right after the exchange: the side name holds the old one
+    _recover_beside(tmp_path)
+    assert (final / "meta.pt").read_bytes() == b"new" and not side.exists()
+    finished(side, b"newer")  # killed after publication, before the exchange: put in place
+    _recover_beside(tmp_path)
+    assert (final / "meta.pt").read_bytes() == b"newer" and not side.exists()
+    side.mkdir()
+    (side / ".metadata").write_bytes(b"partial")  # no meta.pt: never finished, removed
+    _recover_beside(tmp_path)
+    assert not side.exists() and (final / "meta.pt").read_bytes() == b"newer"
 
 
 def test_removal_takes_meta_first_and_a_link_as_a_link(tmp_path):

@@ -91,18 +91,24 @@ def test_peer_copy_on_a_shared_fast_tier_sends_no_file(tmp_path):
         assert "not with peer copies" in o["overwrite"], o["overwrite"]
 
 
-def test_a_durable_root_that_reaches_the_fast_checkpoint_is_refused(tmp_path):
+def test_a_durable_root_that_reaches_the_fast_checkpoint_is_refused(tmp_path, case_log):
     """Was data loss: the copy removed the fast .metadata and truncated each data file it read."""
+    t0 = time.monotonic()
     out = run_ranks(tier_fns.durable_root_reaching_fast, 2, str(tmp_path), TIMEOUT, timeout=200)
     for o in out:
         assert len(o["errors"]) == 4 and all("would be the checkpoint itself" in e for e in o["errors"]), o["errors"]
         assert o["loads"]
+    case_log("two tiers: durable_root reaching the fast checkpoint (a symlink, a '..' path, the parent itself, "
+             "and through the DCP drop-in) with overwrite=True",
+             "refused on every rank before anything is written ('would be the checkpoint itself'); the fast "
+             "checkpoint still loads bit for bit", time.monotonic() - t0)
 
 
-def test_a_stale_or_damaged_fast_copy_is_never_mixed_in_the_durable_copy_is_read(tmp_path):
+def test_a_stale_or_damaged_fast_copy_is_never_mixed_in_the_durable_copy_is_read(tmp_path, case_log):
     """Was: ranks agreed on the step and name only, so one rank restored another job's step 10
     from its fast tier; and a truncated fast copy was chosen, failing the load, though a
     complete durable copy existed."""
+    t0 = time.monotonic()
     out = run_ranks(tier_fns.stale_and_damaged_fast_copies, 2, str(tmp_path), TIMEOUT, timeout=200)
     want = str(tmp_path / "durable" / "iter_0000010")
     for o in out:
@@ -110,3 +116,8 @@ def test_a_stale_or_damaged_fast_copy_is_never_mixed_in_the_durable_copy_is_read
             assert o[label]["load"] == want, (label, o[label])
         assert o["other_job_on_one_host"]["point"] == (10, want)
         assert o["truncated"]["point"] == (10, want)
+    case_log("two tiers: one host's fast tier holds another job's iter_0000010; a fast copy with a truncated "
+             "data file (with and without its load index)",
+             "every rank restores this job's step 10 from the durable copy, bit for bit (identity agreed by "
+             "save_id; sizes checked against the index; a load error falls back on every rank)",
+             time.monotonic() - t0)

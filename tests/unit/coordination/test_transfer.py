@@ -147,7 +147,7 @@ def test_checkpoint_file_names_pass_the_header_check(name):
     assert not PEER_FILE.match("sub/" + name) and not PEER_FILE.match(name + ".tmp")
 
 
-def test_a_header_announcing_more_than_the_receiver_can_hold_is_refused_naming_the_peer(tmp_path):
+def test_a_header_announcing_more_than_the_receiver_can_hold_is_refused_naming_the_peer(tmp_path, case_log):
     """Was: a header announcing a 2**50-byte file made the receiver build its whole receive plan
     (one entry per chunk) and die with MemoryError before any byte arrived."""
 
@@ -161,6 +161,8 @@ def test_a_header_announcing_more_than_the_receiver_can_hold_is_refused_naming_t
                         timeout=2.0)
     assert isinstance(res[1], ChannelError) and "rank 0 announced 1125899906842624 bytes" in str(res[1]), res[1]
     assert not (tmp_path / "d").exists()  # nothing opened
+    case_log("peer copy: a crafted header announcing a file of 2**50 bytes",
+             "refused at once, naming the peer (more than this rank can hold); nothing opened; no MemoryError")
 
 
 def test_the_receive_plan_is_computed_per_chunk():
@@ -170,3 +172,17 @@ def test_the_receive_plan_is_computed_per_chunk():
     assert len(plan) == 3 + 0 + 1 + (1 << 48)  # a count, not a list: no memory per chunk
     assert [plan[i] for i in range(4)] == [(0, 4), (0, 4), (0, 2), (2, 3)]
     assert plan[4] == (3, 4) and plan[len(plan) - 1] == (3, 4)
+
+
+def test_files_larger_than_the_free_space_are_dropped_in_step(tmp_path):
+    """No room for what a peer sends (a full disk, not an attack): nothing is written, the pass
+    ends on both ranks with the error, and the channel stays usable."""
+    src = [_file(tmp_path / "s" / "__0_0.distcp", os.urandom(1000))]
+    out, _ = _run_ranks([lambda ch: (ring_pass(ch, 1, 1, src, None, chunk=256), ch.all_and(1)),
+                         lambda ch: (ring_pass(ch, 0, 0, [], _sink_into(tmp_path / "d"), chunk=256, max_bytes=100),
+                                     ch.all_and(1))])
+    (sent, and0), (got, and1) = out
+    assert sent.error is None and sent.sent_bytes == 1000
+    assert "more than this rank can hold (100 bytes free)" in got.error and got.received == []
+    assert not (tmp_path / "d").exists()
+    assert and0 == and1 == 1  # the same channel goes on working

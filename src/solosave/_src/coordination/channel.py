@@ -52,8 +52,10 @@ from solosave._src.core.errors import ChannelError, OutOfStep
 
 @dataclass(frozen=True, slots=True)
 class CollectiveCall:
-    """One collective: its kind (``torch.distributed`` name), payload bytes this rank sent or
-    contributed, the thread it ran in and how long it took."""
+    """One collective call, as this rank recorded it.
+
+    Its kind (``torch.distributed`` name), payload bytes this rank sent or contributed, the thread
+    it ran in and how long it took."""
 
     kind: str
     payload_bytes: int

@@ -42,6 +42,9 @@ CHUNK = 8 << 20
 #: and ``.metadata``; nothing with a directory part (a peer never names a path of this host).
 #: The longest header accepted (names and sizes of a rank's files; far below this).
 MAX_HEADER = 1 << 20
+#: The most bytes a header may announce (256 TiB: no rank's files come near it); more breaks
+#: the channel at once, before any receive is planned.
+MAX_ANNOUNCED = 1 << 48
 
 PEER_FILE = re.compile(r"^(__\d+_\d+\.distcp(\.crc32)?|\.solosave-index|\.metadata)$")
 
@@ -75,7 +78,9 @@ def ring_pass(channel: Channel, send_to: int, recv_from: int, outgoing: Sequence
     ``open_sink(name, size)`` gives the object a received file is written to (``write``,
     ``commit``, ``close``, as a ``DataFile``); ``stop()`` is checked between chunks; ``chunk``:
     bytes per message (the same on every rank); ``max_bytes``: the most this rank can receive
-    (its free space): a header announcing more breaks the channel before anything is opened."""
+    (its free space): from a header announcing more, nothing is written (the bytes are received
+    and dropped, so both ranks stay in step) and the pass reports the error. A header announcing
+    more than :data:`MAX_ANNOUNCED` breaks the channel at once."""
     res = PassResult()
     files, error = _sizes(outgoing)
     header = json.dumps({"files": files, "error": error}).encode()
@@ -86,12 +91,17 @@ def ring_pass(channel: Channel, send_to: int, recv_from: int, outgoing: Sequence
     theirs = _read_header(channel.exchange(send_to, header, recv_from, size), recv_from)
     incoming = [(name, size) for name, size in theirs["files"]]
     total = sum(size for _, size in incoming)
-    if max_bytes is not None and total > max_bytes:
-        raise ChannelError(f"rank {recv_from} announced {total} bytes of files, more than this rank can hold "
-                           f"({max_bytes} bytes free); nothing was received")
+    if total > MAX_ANNOUNCED:  # no checkpoint holds that much per rank: a crafted or corrupt header
+        raise ChannelError(f"rank {recv_from} announced {total} bytes of files (at most {MAX_ANNOUNCED}); "
+                           "nothing was received")
     out_chunks = _ChunkReader(outgoing, files, chunk)
     in_plan = _ChunkPlan([size for _, size in incoming], chunk)
-    sinks, write_error = _open_sinks(incoming, open_sink)
+    if max_bytes is not None and total > max_bytes:  # no room here: received and dropped, in step
+        sinks: list[Any] = []
+        write_error: str | None = (f"rank {recv_from} sends {total} bytes of files, more than this rank can hold "
+                                   f"({max_bytes} bytes free); nothing was written")
+    else:
+        sinks, write_error = _open_sinks(incoming, open_sink)
     try:
         write_error = _move(channel, send_to, recv_from, out_chunks, in_plan, incoming, sinks, res, files, chunk,
                             stop, write_error)

@@ -115,9 +115,11 @@ class CheckpointExistsError(SolosaveError, FileExistsError, CheckpointException)
 
 
 class CorruptCheckpointError(SolosaveError):
-    """A published checkpoint's data files are missing, shorter than ``.metadata`` says, or fail
-    their recorded checksums (raised by :func:`solosave.load` before any value is read, and
-    reported by ``solosave verify``). ``problems`` lists each finding."""
+    """A published checkpoint's data files are missing, truncated or fail their checksums.
+
+    A data file is missing, shorter than ``.metadata`` says, or fails its recorded checksums
+    (raised by :func:`solosave.load` before any value is read, and reported by
+    ``solosave verify``). ``problems`` lists each finding."""
 
     def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
         super().__init__(message)
@@ -144,8 +146,10 @@ class SaveTimeoutError(SolosaveError, TimeoutError):
 
 
 class StagingRaceError(SolosaveError):
-    """With ``overlap_staging``, a staged tensor was changed in place (e.g. by
-    ``optimizer.step()``) before ``SaveHandle.wait_staged()``; that save fails on every rank."""
+    """A staged tensor was changed in place before its copy finished (``overlap_staging``).
+
+    With ``overlap_staging``, a staged tensor was changed in place (e.g. by ``optimizer.step()``)
+    before ``SaveHandle.wait_staged()``; that save fails on every rank."""
 
 
 def describe(e: BaseException) -> str:

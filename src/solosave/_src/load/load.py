@@ -283,8 +283,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
          planner: Any = None, read_metadata_once: bool = True, safe_globals: Sequence[Any] = (),
          storage_options: Mapping[str, Any] | None = None, use_index: bool = True,
          durable_root: str | os.PathLike | None = None, ranks_per_host: int = 0) -> str:
-    """Load the checkpoint at ``path`` into ``state_dict`` in place (collective over
-    ``process_group`` when torch.distributed is initialised; one process otherwise).
+    """Load the checkpoint at ``path`` into ``state_dict`` in place.
+
+    Collective over ``process_group`` when torch.distributed is initialised; one process
+    otherwise.
 
     Resharding works as in DCP: tensors and DTensors receive the chunks they cover, whatever the
     world size the checkpoint was saved at. ``read_metadata_once``: group rank 0 reads
@@ -343,7 +345,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     durable = durable_copy_of(path, durable_root)
     try:
         _load(state_dict, chosen, *args)
-    except (CorruptCheckpointError, OSError) as e:  # the same on every rank: the load agreed on it
+    except OutOfStep:
+        raise
+    except Exception as e:  # noqa: BLE001 - every rank fails alike (the load agreed): every rank retries
         if chosen == durable:
             raise
         log.warning("solosave.load: the fast copy %s could not be read (%s); loading the durable copy %s",
@@ -411,7 +415,7 @@ def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: Safe
     # One agreement for both questions: did every rank load, and did every rank have a usable
     # index? Bit 0: no error here; bit 1: loaded through the index.
     both = DistChannel(process_group).agree_flags(int(error is None) | int(loaded) << 1,
-                                                  save_identity(0, os.fspath(path)))
+                                                  save_identity(0, backend_for(path).normalize(path)))
     if both is None:
         raise OutOfStep(f"solosave.load: the ranks are not all loading {os.fspath(path)} (call it on every rank "
                         "of the process group, with the same checkpoint)")

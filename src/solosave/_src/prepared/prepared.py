@@ -115,9 +115,11 @@ def _restore(reader: SectionReader, source: str) -> PreparedMetadata:
 
 
 class PreparedMetadata:
-    """A prepared metadata (format version 4, or 3 or 2), read by sections on demand: a rank's reuse plan
-    reads its own section (:meth:`rank_files`), the coordinator the template it publishes
-    (:attr:`template`); :attr:`metadata` rebuilds the whole DCP ``Metadata`` (tools, tests).
+    """A prepared metadata (format version 4, or 3 or 2), read by sections on demand.
+
+    A rank's reuse plan reads its own section (:meth:`rank_files`), the coordinator the template
+    it publishes (:attr:`template`); :attr:`metadata` rebuilds the whole DCP ``Metadata`` (tools,
+    tests).
 
     Pickled (to the worker, in the create save's broadcast) as a reference to its file, or as
     its bytes when it lives in memory; the sections read so far are not sent.
@@ -146,8 +148,10 @@ class PreparedMetadata:
     @classmethod
     def from_metadata(cls, metadata: Metadata, world_size: int | None = None,
                       workers: int | None = None, source: str = "object") -> PreparedMetadata:
-        """Convert ``metadata`` (world size / workers inferred from the file names when not
-        given: a lower bound, since a rank may have written nothing). Reads every entry."""
+        """Convert a DCP ``metadata`` into a prepared metadata.
+
+        World size / workers are inferred from the file names when not given: a lower bound,
+        since a rank may have written nothing. Reads every entry."""
         fields = {"world_size": world_size, "workers": workers,
                   "torch_version": torch.__version__ if world_size is not None else None}
         return cls(SectionReader(BytesSource(sections_from_metadata(metadata, fields, source), source)), source)
@@ -192,8 +196,9 @@ class PreparedMetadata:
         return key in keys
 
     def spec_matches(self, spec: ItemSpec, own: set[ItemKey] | frozenset = frozenset()) -> str | None:
-        """``None`` if ``spec`` is consistent with the metadata, else why not (``own``: keys
-        known to be placed, this rank's layout)."""
+        """Check ``spec`` against the metadata: ``None`` if it is consistent, else why not.
+
+        ``own``: keys known to be placed, this rank's layout."""
         m = self.structure.get(spec.fqn)
         if m is None:
             return f"{spec.fqn}: not in the prepared metadata (a new item)"
@@ -216,8 +221,9 @@ class PreparedMetadata:
     # -- publishing (coordinator) -----------------------------------------------------------
     @property
     def template(self) -> MetadataTemplate:
-        """The ``.metadata`` pickle with placeholders, for publishing (coordinator): see
-        :meth:`checked_template`."""
+        """The ``.metadata`` pickle with placeholders, for publishing (coordinator).
+
+        See :meth:`checked_template`."""
         return self.checked_template()
 
     def checked_template(self) -> MetadataTemplate:
@@ -287,16 +293,20 @@ class PreparedMetadata:
 
     @property
     def index_body(self) -> bytes | None:
-        """The body of the load index written beside every ``.metadata`` (coordinator;
-        ``None``: this prepared file predates the index, and saves write none)."""
+        """The body of the load index written beside every ``.metadata`` (coordinator).
+
+        ``None``: this prepared file predates the index, and saves write none."""
         if self._index_body is None:
             self._index_body = self._reader.index_body() or b""
         return self._index_body or None
 
     def adopt_template(self, save_id: str, template: MetadataTemplate, index_body: bytes | None = None) -> bool:
-        """Use ``template`` and ``index_body`` (built by the coordinator when it published with
-        ``save_id``) instead of reading their sections, if this prepared metadata was made by
-        that publication (its ``save_id``, a fresh uuid per publication); returns whether it did."""
+        """Use the coordinator's own ``template`` and ``index_body`` instead of reading them.
+
+        ``template`` and ``index_body`` were built by the coordinator when it published with
+        ``save_id``; they are used instead of reading their sections if this prepared metadata
+        was made by that publication (its ``save_id``, a fresh uuid per publication); returns
+        whether it did."""
         sm = self._reader.header.get("storage_meta")
         if self._template is not None or not sm or not save_id or sm[1] != save_id:
             return False
@@ -307,8 +317,10 @@ class PreparedMetadata:
 
     @property
     def metadata(self) -> Metadata:
-        """The whole DCP ``Metadata`` (reads and unpickles the template: O(world size)),
-        checked as every loader's ``.metadata`` is (:func:`~solosave._src.formats.metadata_check.loads_metadata`)."""
+        """The whole DCP ``Metadata``, rebuilt from the template.
+
+        Reads and unpickles the template: O(world size); checked as every loader's ``.metadata``
+        is (:func:`~solosave._src.formats.metadata_check.loads_metadata`)."""
         sm = self._reader.header.get("storage_meta")
         template = self._template if self._template is not None else self._template_from_file()
         data = template.render(*(sm or ("", "")))
@@ -318,10 +330,12 @@ class PreparedMetadata:
 
     # -- reuse planning (every rank, locally) -----------------------------------------------
     def plan_reuse(self, plan: LocalPlan, rank: int) -> tuple[ReusePlan, list[ItemSpec]]:
-        """This rank's local plan of a reuse save: the layout the prepared metadata gives it, the
-        reasons it cannot write that layout (a drift found before writing), and the items to
-        stage: the layout's items, or every item it owns when it drifted (the save then falls
-        back to the collective path, which may assign it any of them).
+        """This rank's local plan of a reuse save.
+
+        The plan is the layout the prepared metadata gives it, the reasons it cannot write that
+        layout (a drift found before writing), and the items to stage: the layout's items, or
+        every item it owns when it drifted (the save then falls back to the collective path,
+        which may assign it any of them).
 
         A DTensor chunk is staged by its owner only, so its owner must be its writer: a chunk this
         rank owns that the layout puts elsewhere, or one in this rank's layout that another replica
@@ -433,9 +447,11 @@ def open_sectioned(path: str | os.PathLike, storage_options: Mapping[str, Any] |
 
 def load_prepared_metadata(path: str | os.PathLike, *,
                            storage_options: Mapping[str, Any] | None = None) -> PreparedMetadata:
-    """Load a prepared-metadata file, a plain pickled DCP ``Metadata``, a ``.metadata`` file or a
-    checkpoint directory; a local path or a URL (``storage_options``: keyword arguments of its
-    fsspec filesystem). Raises :class:`PreparedMetadataError` (or a subclass) with the reason.
+    """Load a prepared metadata from ``path`` and return it as a :class:`PreparedMetadata`.
+
+    ``path`` is a prepared-metadata file, a plain pickled DCP ``Metadata``, a ``.metadata`` file
+    or a checkpoint directory; a local path or a URL (``storage_options``: keyword arguments of
+    its fsspec filesystem). Raises :class:`PreparedMetadataError` (or a subclass) with the reason.
     A sectioned file is opened by its header only; the rest is read by sections on demand."""
     sectioned = open_sectioned(path, storage_options)
     if sectioned is not None:
@@ -530,9 +546,11 @@ def check_prepared_target(path: str | os.PathLike, storage_options: Mapping[str,
 
 def save_prepared_metadata(prepared: PreparedMetadata | Metadata, path: str | os.PathLike, *,
                            storage_options: Mapping[str, Any] | None = None) -> None:
-    """Write ``prepared`` to ``path`` (format version 4) atomically (temp file, fsync, rename,
-    directory fsync; on an object store one single-object write). Refuses a ``path`` that is a
-    checkpoint's file or a directory (:func:`prepared_target_problem`)."""
+    """Write ``prepared`` to ``path`` (format version 4) atomically.
+
+    Atomically: temp file, fsync, rename, directory fsync; on an object store one single-object
+    write. Refuses a ``path`` that is a checkpoint's file or a directory
+    (:func:`prepared_target_problem`)."""
     check_prepared_target(path, storage_options)  # before the conversion, which may take long
     if isinstance(prepared, Metadata):
         prepared = PreparedMetadata.from_metadata(prepared)

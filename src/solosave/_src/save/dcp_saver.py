@@ -93,8 +93,10 @@ class _Group:
 
 
 class DcpSaver:
-    """DCP's ``save`` and ``async_save``, backed by one :class:`~solosave.AsyncCheckpointer` per
-    process group, made at that group's first save and kept until :meth:`close`.
+    """DCP's ``save`` and ``async_save``, backed by solosave's checkpointers.
+
+    One :class:`~solosave.AsyncCheckpointer` per process group, made at that group's first save
+    and kept until :meth:`close`.
 
     Args:
         writer: a :class:`~solosave.FileWriter` (subclass) that writes the files.
@@ -117,8 +119,10 @@ class DcpSaver:
                    storage_writer: Any = None, planner: Any = None, process_group: Any = None,
                    async_checkpointer_type: Any = None, async_stager: Any = None, no_dist: bool = False,
                    use_collectives: bool = True) -> Future | Any:
-        """DCP's ``async_save``: returns once ``state_dict`` is staged, with a future of the
-        checkpoint's ``Metadata`` (``AsyncSaveResponse`` with ``overlap_staging``)."""
+        """DCP's ``async_save``: start saving ``state_dict`` and return a future.
+
+        Returns once ``state_dict`` is staged, with a future of the checkpoint's ``Metadata``
+        (``AsyncSaveResponse`` with ``overlap_staging``)."""
         _refuse(storage_writer=storage_writer, planner=planner, async_checkpointer_type=async_checkpointer_type,
                 async_stager=async_stager, no_dist=no_dist, use_collectives=use_collectives)
         group, handle = self._start(state_dict, checkpoint_id, process_group)
@@ -136,16 +140,19 @@ class DcpSaver:
     def save(self, state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
              storage_writer: Any = None, planner: Any = None, process_group: Any = None, no_dist: bool = False,
              use_collectives: bool = True) -> Metadata:
-        """DCP's ``save``: returns the checkpoint's ``Metadata`` once it is published, or raises
-        :class:`~solosave.CheckpointError` (the same on every rank)."""
+        """DCP's ``save``: save ``state_dict`` and return the checkpoint's ``Metadata``.
+
+        Returns once the checkpoint is published, or raises :class:`~solosave.CheckpointError`
+        (the same on every rank)."""
         _refuse(storage_writer=storage_writer, planner=planner, no_dist=no_dist, use_collectives=use_collectives)
         group, handle = self._start(state_dict, checkpoint_id, process_group)
         group.last_result = result = handle.wait(self.options.timeout)
         return self._metadata(group, result)
 
     def last_result(self, process_group: Any = None) -> SaveResult | None:
-        """The :class:`~solosave.SaveResult` of the group's last finished save (its mode,
-        collectives and timings), ``None`` before one."""
+        """The :class:`~solosave.SaveResult` of the group's last finished save.
+
+        It holds the save's mode, collectives and timings; ``None`` before one."""
         group = self._groups.get(_key(process_group))
         return group.last_result if group is not None else None
 
@@ -155,8 +162,9 @@ class DcpSaver:
         return group.checkpointer if group is not None else None
 
     def close(self) -> None:
-        """Wait (bounded) for every save in flight, stop the workers; the next save starts new
-        ones. Every rank should call it. Never raises."""
+        """Wait (bounded) for every save in flight, then stop the workers.
+
+        The next save starts new ones. Every rank should call it. Never raises."""
         with self._lock:
             groups, self._groups = list(self._groups.values()), {}
         for group in groups:
@@ -251,8 +259,9 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
                storage_writer: Any = None, planner: Any = None, process_group: Any = None,
                async_checkpointer_type: Any = None, async_stager: Any = None, no_dist: bool = False,
                use_collectives: bool = True) -> Future | Any:
-    """``torch.distributed.checkpoint.async_save``, by solosave (:meth:`DcpSaver.async_save`
-    of :data:`default_saver`)."""
+    """Start saving ``state_dict`` as ``torch.distributed.checkpoint.async_save`` does, by solosave.
+
+    It is :meth:`DcpSaver.async_save` of :data:`default_saver`."""
     return default_saver.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
                                     planner=planner, process_group=process_group,
                                     async_checkpointer_type=async_checkpointer_type, async_stager=async_stager,
@@ -262,8 +271,9 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None, storage_writer: Any = None,
          planner: Any = None, process_group: Any = None, no_dist: bool = False,
          use_collectives: bool = True) -> Metadata:
-    """``torch.distributed.checkpoint.save``, by solosave (:meth:`DcpSaver.save` of
-    :data:`default_saver`)."""
+    """Save ``state_dict`` as ``torch.distributed.checkpoint.save`` does, by solosave.
+
+    It is :meth:`DcpSaver.save` of :data:`default_saver`."""
     return default_saver.save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
                               planner=planner, process_group=process_group, no_dist=no_dist,
                               use_collectives=use_collectives)

@@ -88,7 +88,9 @@ class SaveHandle:
         self.reported = reported
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """With ``overlap_staging``: return once this save's tensors are copied (CPU tensors),
+        """Return once the saved tensors may change again (``overlap_staging``).
+
+        With ``overlap_staging``: return once this save's tensors are copied (CPU tensors),
         or once the current CUDA stream is ordered after the copies (nothing blocks): the
         saved tensors may change from then on. Call it before ``optimizer.step()``. Raises
         :class:`~solosave.StagingRaceError` if a saved tensor changed in place before (the save
@@ -102,8 +104,10 @@ class SaveHandle:
         return self._published.done()
 
     def wait(self, timeout: float | None = None) -> SaveResult:
-        """Wait (at most ``timeout`` seconds; default: the checkpointer's ``timeout``) and
-        return the :class:`SaveResult`, or raise the save's error (the same on every rank)."""
+        """Wait for this save to finish and return its result.
+
+        Waits at most ``timeout`` seconds (default: the checkpointer's ``timeout``) and returns
+        the :class:`SaveResult`, or raises the save's error (the same on every rank)."""
         wait_published(self._published, self._pump, self._timeout if timeout is None else timeout,
                        self.path, self._rank)
         self.reported = True

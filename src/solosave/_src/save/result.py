@@ -32,8 +32,10 @@ class PhaseTimings:
 
 @dataclass(frozen=True, slots=True)
 class DurableResult:
-    """How one save's copy to the durable tier ended (the same ``ok`` and ``failures`` on every
-    rank). A failed copy never touched the fast copy, which stays published."""
+    """How one save's copy to the durable tier ended.
+
+    The same ``ok`` and ``failures`` on every rank. A failed copy never touched the fast copy,
+    which stays published."""
 
     path: str
     #: Whether ``<durable>/.metadata`` was published.
@@ -78,8 +80,9 @@ def durable_result_of(outcome: DurableOutcome) -> DurableResult:
 
 
 class DurableCopy:
-    """A save's copy to the durable tier, in flight or done (``SaveResult.durable``). Calling
-    thread, every rank; no method calls a collective. ``done()`` never blocks; ``wait(timeout)``
+    """A save's copy to the durable tier, in flight or done (``SaveResult.durable``).
+
+    Calling thread, every rank; no method calls a collective. ``done()`` never blocks; ``wait(timeout)``
     returns the :class:`DurableResult` (a failure is a result with ``ok=False``, not an
     exception) or raises :class:`~solosave.SaveTimeoutError` if it did not end in time. Made by
     the checkpointer, which completes ``future``; ``pump(seconds)`` takes the next message of
@@ -141,8 +144,10 @@ class SaveResult:
     save_id: str = ""
 
     def collectives(self, where: str = "all") -> dict[str, dict[str, int]]:
-        """``{kind: {"count": n, "bytes": payload}}`` for ``where`` in
-        ``"all"``, ``"calling_thread"``, ``"background"``."""
+        """Count this save's collectives and their payload bytes, per kind.
+
+        Returns ``{kind: {"count": n, "bytes": payload}}`` for ``where`` in ``"all"``,
+        ``"calling_thread"``, ``"background"``."""
         calls = {"all": self.collectives_calling_thread + self.collectives_background,
                  "calling_thread": self.collectives_calling_thread,
                  "background": self.collectives_background}[where]

@@ -285,10 +285,13 @@ def _read_piece(dst: torch.Tensor, src: torch.Tensor) -> None:
     if src.is_conj() or src.is_neg() or not src.is_cpu:  # lazy views that torch resolves while copying
         _copy_cpu([dst], [src])
         return
+    extent = _extent(src) - src.storage_offset() * src.element_size()
     if src.is_contiguous():
         done = read_own_memory(dst.data_ptr(), src.data_ptr(), src.nbytes)
+    elif extent > 4 * src.nbytes:  # a thin view of a large base: not worth reading the base whole
+        done = None
     else:
-        bounce = torch.empty(_extent(src) - src.storage_offset() * src.element_size(), dtype=torch.uint8)
+        bounce = torch.empty(extent, dtype=torch.uint8)
         done = read_own_memory(bounce.data_ptr(), src.data_ptr(), bounce.nbytes)
         if done:
             with torch.no_grad():

@@ -124,17 +124,18 @@ def _agree(flags: int, step: int, name: str, process_group: Any) -> int | None:
 
 
 def _same_checkpoint(step: int, chosen: str, other: str | None, process_group: Any,
-                     storage_options: Mapping[str, Any] | None) -> bool:
+                     storage_options: Mapping[str, Any] | None) -> bool | None:
     """Whether the copy ``chosen`` is one checkpoint on every rank: one 8-byte agreement of its
-    ``save_id`` as each rank sees it (ranks that see different ones, or none, disagree). Where
-    this rank also sees ``other`` (the durable copy of a fast one) published, its ``save_id``
-    must be the same: a fast copy left by another job under the same name is not taken."""
+    ``save_id`` as each rank sees it. ``None``: the ranks see different ones; ``False``: the same
+    (or none, unreadable everywhere) but not usable on some rank. Where this rank also sees
+    ``other`` (the durable copy of a fast one) published, its ``save_id`` must be the same: a
+    fast copy left by another job under the same name is not taken."""
     mine = identity_here(chosen, storage_options)
     ok = mine is not None
     if ok and other is not None and published_here(other, storage_options):
         ok = identity_here(other, storage_options) == mine
     agreed = _agree(int(ok), step, f"checkpoint {mine}", process_group)
-    return agreed is not None and bool(agreed & 1)
+    return None if agreed is None else bool(agreed & 1)
 
 
 def choose_copy(path: str | os.PathLike, durable_root: str | os.PathLike, process_group: Any = None,
@@ -182,9 +183,11 @@ def _first_restorable(todo: Sequence[Candidate], process_group: Any,
                                                                     storage_options):
             return step, fast
         if agreed & DURABLE and durable is not None:
-            if not _same_checkpoint(step, durable, None, process_group, storage_options):
+            same = _same_checkpoint(step, durable, None, process_group, storage_options)
+            if same is None:
                 return "mismatch"  # the ranks read different durable copies: the durable-only pass says so
-            return step, durable
+            if same:
+                return step, durable  # else unreadable everywhere: an older step
     return None
 
 

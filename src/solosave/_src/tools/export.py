@@ -48,9 +48,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 @dataclass(frozen=True, slots=True)
 class ExportReport:
-    """What :func:`export` wrote. ``skipped`` lists, as ``(key, reason)``, every selected value
-    that is not in the files: non-tensor values in the safetensors format, dtypes that
-    safetensors cannot store."""
+    """What :func:`export` wrote.
+
+    ``skipped`` lists, as ``(key, reason)``, every selected value that is not in the files:
+    non-tensor values in the safetensors format, dtypes that safetensors cannot store."""
 
     checkpoint: str
     out: str
@@ -287,8 +288,9 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format: str
            max_shard_size: int | str | None = None, keys: Collection[str] | Callable[[str], bool] | None = None,
            prefix: str = "", overwrite: bool = False, safe_globals: Sequence[Any] = (),
            progress: Callable[[int, int], None] | None = None) -> ExportReport:
-    """Write the checkpoint's values as full, unsharded files in ``out`` (one process, no
-    collective: inside a distributed job, call it from one rank only).
+    """Write the checkpoint's values as full, unsharded files in ``out``.
+
+    One process, no collective: inside a distributed job, call it from one rank only.
 
     Names are DCP's flattened keys (``"model.layers.0.weight"``, ``"optim.state.0.exp_avg"``),
     as ``solosave inspect`` lists them; ``prefix`` (e.g. ``"model."``) exports only the keys that

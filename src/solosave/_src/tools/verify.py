@@ -75,8 +75,9 @@ class VerifyReport:
     checksum_unrecorded: int = 0
 
     def checksum_summary(self) -> str:
-        """One line that says what the checksum pass found, e.g. ``failed (7 of 9 records match,
-        2 could not be checked)``."""
+        """One line that says what the checksum pass found.
+
+        For example ``failed (7 of 9 records match, 2 could not be checked)``."""
         if self.checksums == "absent":
             return "absent"
         total = (self.checksummed_records + self.checksum_mismatches + self.checksum_unchecked
@@ -278,11 +279,13 @@ def verify_checkpoint(path: str | os.PathLike, *, prepared: str | os.PathLike | 
                       checksums: bool = True,
                       progress: Callable[[int, int], None] | None = None,
                       storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
-    """Check the checkpoint directory ``path`` (a local path or a URL; ``storage_options``:
-    keyword arguments of its fsspec filesystem; see the module docstring). Raises
-    :class:`~solosave.PreparedMetadataError` if there is no readable ``.metadata``; every other
-    finding is a line in the report's ``problems``. ``progress(n, total)`` is called with each
-    block of bytes read while checking checksums and the total those reads add up to."""
+    """Check the checkpoint directory ``path`` and report what is wrong with it.
+
+    ``path`` is a local path or a URL; ``storage_options``: keyword arguments of its fsspec
+    filesystem; see the module docstring. Raises :class:`~solosave.PreparedMetadataError` if
+    there is no readable ``.metadata``; every other finding is a line in the report's
+    ``problems``. ``progress(n, total)`` is called with each block of bytes read while checking
+    checksums and the total those reads add up to."""
     storage = storage_for(path, storage_options)
     directory = storage.normalize(path)
     md = _read_metadata(directory, storage_options)

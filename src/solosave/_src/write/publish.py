@@ -99,6 +99,10 @@ def _write_index(storage: Storage, directory: str, index: IndexSource, fsync: bo
             return None
         storage.commit(storage.join(directory, INDEX_FILE), data, fsync=fsync)
     except Exception as e:  # noqa: BLE001 - the checkpoint is complete without its index
+        try:  # an index an earlier attempt left (a reuse save that fell back) may name this save_id
+            storage.remove(storage.join(directory, INDEX_FILE))
+        except Exception:  # noqa: BLE001, S110 - none there, or unreachable: loads check it against .metadata
+            pass
         return (f"the load index of {directory} was not written ({describe(e)}); "
                 f"loads of this checkpoint read the whole {METADATA_FILE}")
     return None

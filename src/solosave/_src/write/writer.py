@@ -214,18 +214,21 @@ class FileWriter:
             self.upload_concurrency = upload_concurrency
 
     def open(self, path: str) -> BinaryIO:
-        """A new data file at ``path``: its storage's
-        :class:`~solosave._src.storage.base.DataFile` (a local file, an object upload whose object
-        appears only when :meth:`close` commits it); closed by :meth:`close` or, on an error,
-        abandoned by its own ``close()``."""
+        """Open a new data file at ``path`` and return it.
+
+        It is its storage's :class:`~solosave._src.storage.base.DataFile` (a local file, an object
+        upload whose object appears only when :meth:`close` commits it); closed by :meth:`close`
+        or, on an error, abandoned by its own ``close()``."""
         return storage_for(path, self.storage_options).open_data(  # type: ignore[return-value]
             path, fsync=self.fsync, part_size=self.part_size, concurrency=self.upload_concurrency)
 
     def write_record(self, stream: BinaryIO, record: Record, crc: Callable[[], int] | None = None) -> None:
-        """Write one record at the stream's position. A tensor record is ``torch.save``'s
-        archive of the tensor, written from a cached frame around the staged bytes (see
-        ``formats/record_writer.py``; byte-identical) or by ``torch.save`` itself where no frame fits.
-        ``crc``: gives the CRC32 of the tensor's bytes (computed ahead), else computed here."""
+        """Write one record at the stream's position.
+
+        A tensor record is ``torch.save``'s archive of the tensor, written from a cached frame
+        around the staged bytes (see ``formats/record_writer.py``; byte-identical) or by
+        ``torch.save`` itself where no frame fits. ``crc``: gives the CRC32 of the tensor's bytes
+        (computed ahead), else computed here."""
         if record.payload is not None:
             stream.write(record.payload)
             return
