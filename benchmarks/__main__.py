@@ -20,6 +20,8 @@ from . import limits as limits_bench
 from . import load as load_bench
 from . import megatron_save as megatron_bench
 from . import object_store as s3_bench
+from . import peers as peers_bench
+from . import placement as placement_bench
 from . import report as rep
 from . import tiers as tiers_bench
 from .progress import Progress
@@ -32,11 +34,13 @@ def _parser() -> argparse.ArgumentParser:
         "solosave vs torch.distributed.checkpoint: saves on local ranks side by side, physical "
         "limits, and a scale simulation of the coordinator's work up to W=16384."))
     p.add_argument("--only", choices=("all", "save", "limits", "load", "scale", "s3", "lightning", "tiers",
-                                      "megatron"), default="all",
+                                      "megatron", "placement", "peers"), default="all",
                    help="which part to run (s3: saves to s3:// on a local server; lightning: a Lightning fit with "
                         "its own strategy and with solosave's; tiers: a fast tier against s3:// on a local "
-                        "server; megatron: megatron-core's torch_dist strategy against solosave's; none of "
-                        "these four is part of all)")
+                        "server; megatron: megatron-core's torch_dist strategy against solosave's; placement: "
+                        "the peer copies' placement model, exact probabilities of a restore without durable "
+                        "reads up to 4,096 hosts; peers: peer copies and a restore against raw transfers of the "
+                        "same bytes; none of these six is part of all)")
     p.add_argument("--tiers-fast-dir", default=None, metavar="DIR",
                    help="tiers: where the fast tier lives (default /dev/shm, else <out>/fast)")
     p.add_argument("--total-mib", type=int, default=256, help="state size over all ranks (default 256)")
@@ -84,7 +88,9 @@ _PRINTERS = {"save": (rep.print_save, rep.plot_save), "scale": (rep.print_scale,
              "load": (load_bench.print_load, load_bench.plot_load), "s3": (s3_bench.print_s3, s3_bench.plot_s3),
              "lightning": (lightning_bench.print_lightning, lightning_bench.plot_lightning),
              "tiers": (tiers_bench.print_tiers, tiers_bench.plot_tiers),
-             "megatron": (megatron_bench.print_megatron, megatron_bench.plot_megatron)}
+             "megatron": (megatron_bench.print_megatron, megatron_bench.plot_megatron),
+             "placement": (placement_bench.print_placement, placement_bench.plot_placement),
+             "peers": (peers_bench.print_peers, peers_bench.plot_peers)}
 
 
 def _emit(report: dict[str, Any], args: argparse.Namespace, out: Path, plots: Path) -> None:
@@ -154,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     steps += len(lightning_bench.STRATEGIES) if args.only == "lightning" else 0
     steps += args.only == "tiers"
     steps += args.only == "megatron"
+    steps += len(placement_bench.HOSTS) if args.only == "placement" else 0
+    steps += args.only == "peers"
     progress = Progress(steps)
     report: dict[str, Any] = {"command": " ".join(["python -m benchmarks"] + (argv if argv is not None else sys.argv[1:])),
                               "machine": _machine()}
@@ -184,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "megatron":
         mg_cfg = {"total_mib": args.total_mib, "saves": args.saves, "timeout": args.timeout, "poll_s": 0.01}
         report["megatron"] = megatron_bench.run_megatron_bench(mg_cfg, out, progress)
+    if args.only == "placement":
+        report["placement"] = placement_bench.run_placement_model(progress)
+    if args.only == "peers":
+        peers_cfg = {"per_rank_mib": min(args.total_mib // 2, 128), "tensors": 16, "reps": 3 if args.quick else 5,
+                     "timeout": args.timeout}
+        report["peers"] = peers_bench.run_peers_bench(peers_cfg, out, progress)
     progress.finish()
     report["wall_s"] = time.perf_counter() - t0
     report["machine"]["loadavg_end"] = os.getloadavg()

@@ -88,3 +88,46 @@ def nudge_template_position(data: bytes) -> bytes:
     nudged = digits[:-1] + (b"3" if last != b"3" else b"7")
     line = line[:m.start(4)] + nudged + line[m.end(4):]
     return data[:start] + line + data[end:]
+
+
+# -- load indexes (``.solosave-index``, solosave._src.index.writer) ---------------------------------
+INDEX_MAGIC = b"SOLOSAVE-INDEX\n1\n"
+INDEX_PREFIX = struct.Struct("<QI")
+INDEX_ROW = struct.Struct("<IQQ")
+
+
+def index_split(data: bytes) -> tuple[dict, dict, bytes]:
+    """``(header, directory, blobs)`` of a load index (blob offsets are relative to ``blobs``)."""
+    assert data.startswith(INDEX_MAGIC), data[:40]
+    end = data.index(b"\n", len(INDEX_MAGIC))
+    header = json.loads(data[len(INDEX_MAGIC):end])
+    body = data[end + 1:]
+    n, _ = INDEX_PREFIX.unpack_from(body)
+    at = INDEX_PREFIX.size
+    return header, json.loads(body[at:at + n]), body[at + n:]
+
+
+def index_join(header: dict, directory: dict, blobs: bytes, *, body_length: int | None = None) -> bytes:
+    """A load index with every checksum an attacker can recompute (the directory's CRC) made to
+    match, and ``body_length`` the body's real length unless given."""
+    raw = json.dumps(directory, separators=(",", ":")).encode()
+    body = INDEX_PREFIX.pack(len(raw), zlib.crc32(raw)) + raw + blobs
+    header = {**header, "body_length": len(body) if body_length is None else body_length}
+    return INDEX_MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + body
+
+
+def index_set_row(data: bytes, fqn: str, chunk: int = 0, **row: int) -> bytes:
+    """The load index ``data`` with the row of tensor ``fqn`` in chunk ``chunk`` of its group
+    changed (``file``, ``offset``, ``length``), the row block's CRC recomputed."""
+    header, directory, blobs = index_split(data)
+    e = directory["keys"][fqn]
+    assert e[0] == "t", e
+    _, _, keys, _, _, _, rows_at = directory["groups"][e[1]]
+    width = keys * INDEX_ROW.size
+    start = rows_at + chunk * (width + 4)
+    block = bytearray(blobs[start:start + width])
+    at = e[2] * INDEX_ROW.size
+    old = dict(zip(("file", "offset", "length"), INDEX_ROW.unpack_from(block, at)))
+    INDEX_ROW.pack_into(block, at, *(row.get(k, old[k]) for k in ("file", "offset", "length")))
+    new = bytes(block) + struct.pack("<I", zlib.crc32(bytes(block)))
+    return index_join(header, directory, blobs[:start] + new + blobs[start + width + 4:])

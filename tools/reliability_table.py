@@ -32,6 +32,7 @@ SUITES = ["tests/faults/test_faults.py", "tests/faults/test_faults_input.py", "t
           "tests/multiproc/test_tiers.py", "tests/integrations/test_storage.py",
           "tests/unit/coordination/test_transfer.py", "tests/faults/test_soak_faults.py",
           "tests/unit/load/test_read.py::test_a_tensor_record_that_would_run_code_is_refused",
+          "tests/faults/test_faults_round4.py", "tests/multiproc/test_peer_hosts.py",
           "tests/integrations/test_lightning.py::test_a_job_killed_while_saving_into_last_ckpt_keeps_the_previous_one"]
 
 

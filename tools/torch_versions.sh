@@ -12,10 +12,16 @@
 #                       numpy, pytest, isal from the registry); an existing one is used as it is,
 #                       and must hold that torch version.
 #   TORCH_VERSIONS_OUT  folder for the summary and the logs (default: bench-out).
+#   TORCH_ROUNDTRIP_BASE  the interpreter of the other side of the round trips (default: the main
+#                       .venv/bin/python); empty: no round trips.
 # The tests import solosave from this tree's src/ (PYTHONPATH), so one venv serves every checkout.
-# Writes a summary line per version to $TORCH_VERSIONS_OUT/torch-versions.txt (replacing that
-# version's earlier line) and the full pytest output to $TORCH_VERSIONS_OUT/torch-VERSION.log;
-# exit status 1 if any version failed.
+# After a version's core tests, two round trips (tools/torch_roundtrip.py): checkpoints written by
+# the base interpreter's torch and read by this version, then written by this version and read by
+# the base; each is loaded with solosave.load and stock DCP, compared bit for bit and verified.
+# Writes a summary line per version and one per round trip to $TORCH_VERSIONS_OUT/torch-versions.txt
+# (replacing that version's earlier lines), the full pytest output to
+# $TORCH_VERSIONS_OUT/torch-VERSION.log and the round trips' to torch-VERSION-roundtrip.log;
+# exit status 1 if any version or round trip failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_VERSIONS=(2.8.0:python3.10 2.11.0:python3.12 2.14.1:python3)
@@ -33,8 +39,36 @@ outdir="${TORCH_VERSIONS_OUT:-bench-out}"
 mkdir -p "$outdir"
 out="$outdir/torch-versions.txt"
 touch "$out"
-for spec in "${SPECS[@]}"; do sed -i "/^torch ${spec%%:*}: /d" "$out"; done
+for spec in "${SPECS[@]}"; do
+  v="${spec%%:*}"; sed -i "/^torch ${v}: /d; /^torch [^ ]* -> ${v}: /d; /^torch ${v} -> /d" "$out"
+done
+base="${TORCH_ROUNDTRIP_BASE-.venv/bin/python}"
 status=0
+# roundtrip WRITER_PYTHON WRITER_VERSION READER_PYTHON READER_VERSION LOG: one summary line
+roundtrip() {
+  local dir rc res t0 t1 t2 fails
+  dir=$(mktemp -d "${TMPDIR:-/tmp}/torch-roundtrip.XXXXXX")
+  t0=$(date +%s)
+  echo "== torch $2 writes ($1)" >> "$5"
+  PYTHONPATH="$PWD/src" timeout 900 "$1" tools/torch_roundtrip.py write "$dir/ckpt" >> "$5" 2>&1
+  rc=$?
+  t1=$(date +%s)
+  if [ "$rc" -ne 0 ]; then
+    res="write FAILED (exit $rc)"
+  else
+    echo "== torch $4 reads ($3)" >> "$5"
+    PYTHONPATH="$PWD/src" timeout 900 "$3" tools/torch_roundtrip.py read "$dir/ckpt" > "$dir/read.txt" 2>&1
+    rc=$?
+    cat "$dir/read.txt" >> "$5"
+    fails=$(grep -E ': FAIL' "$dir/read.txt" | grep -v '^read torch' | sed 's/ (written by.*//' | paste -sd, - | sed 's/,/, /g')
+    if [ "$rc" -eq 0 ]; then res="PASS ($(grep ': PASS' "$dir/read.txt" | grep -vc '^read torch') checks)"
+    else res="FAIL (exit $rc)${fails:+: $fails}"; fi
+  fi
+  t2=$(date +%s)
+  rm -rf "$dir"
+  echo "torch $2 -> $4: $res (write $((t1 - t0)) s, read $((t2 - t1)) s; $(date -u +%F))" | tee -a "$out"
+  return "$rc"
+}
 for spec in "${SPECS[@]}"; do
   v="${spec%%:*}"
   py="python3"
@@ -63,5 +97,15 @@ for spec in "${SPECS[@]}"; do
   line="torch $v: $res (Python $pyv, install $((t1 - t0)) s, tests $((t2 - t1)) s; $(date -u +%F))"
   echo "$line" | tee -a "$out"
   [ "$rc" -eq 0 ] || status=1
+  [ -n "$base" ] || continue
+  rtlog="$outdir/torch-$v-roundtrip.log"
+  : > "$rtlog"
+  basev=$("$base" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
+  basev="${basev%%+*}"
+  if [ "$basev" = none ]; then
+    echo "torch ? -> $v: FAILED: no torch in '$base' (TORCH_ROUNDTRIP_BASE)" | tee -a "$out"; status=1; continue
+  fi
+  roundtrip "$base" "$basev" "$venv/bin/python" "$v" "$rtlog" || status=1
+  roundtrip "$venv/bin/python" "$v" "$base" "$basev" "$rtlog" || status=1
 done
 exit $status

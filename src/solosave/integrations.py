@@ -52,7 +52,7 @@ from solosave._src.save.checkpointer import AsyncCheckpointer, SaveHandle
 from solosave._src.save.options import CheckpointerOptions, add_option_flags, option, options_from_args
 from solosave._src.save.result import DurableResult
 from solosave._src.storage.registry import backend_for, storage_for
-from solosave._src.tiers.choice import choose_restore_point, complete_here
+from solosave._src.tiers.choice import choose_restore_point
 from solosave._src.tiers.peer_repair import restore_from_peers
 from solosave._src.tools.framework import AUTO, PublishedSave, Publisher
 from solosave._src.tools.retention import Pruner, remove_checkpoint
@@ -202,17 +202,16 @@ def find_restore_point(save_dir: str | os.PathLike | None, durable_root: str | o
     of the chosen copy's ``save_id``, normally two; :mod:`solosave._src.tiers.choice`). Without
     ``durable_root``: :func:`find_latest_checkpoint` (no collective).
 
-    ``ranks_per_host`` (checkpoints saved with ``peer_copy``; the checkpointer's
-    ``peer_ranks_per_host``): first, the hosts whose fast tier misses the newest step that
-    every host holds or can get back get its files from their neighbour hosts
-    (:mod:`solosave._src.tiers.peer_repair`: one ``all_gather_object`` of the steps each rank holds,
-    then the transfers, only when a host misses it)."""
+    ``ranks_per_host`` (checkpoints saved with ``peer_copies``; the checkpointer's
+    ``peer_ranks_per_host``): first, the hosts whose fast tier misses part of the newest step
+    that the hosts hold between them get those files from whichever hosts hold them
+    (:mod:`solosave._src.tiers.peer_repair`: one ``all_gather_object`` of what each rank holds,
+    then the transfers, only when a host misses something)."""
     if not durable_root:
         return find_latest_checkpoint(save_dir, storage_options)
     if ranks_per_host and save_dir:
         storage = storage_for(save_dir, storage_options)
-        here = {step: storage.basename(path) for step, path in published_checkpoints(save_dir, storage_options)
-                if complete_here(path, storage_options)}
+        here = {step: storage.basename(path) for step, path in published_checkpoints(save_dir, storage_options)}
         restore_from_peers(save_dir, here, ranks_per_host, process_group, storage_options)
     fast = dict(published_checkpoints(save_dir, storage_options)) if save_dir else {}
     durable = dict(published_checkpoints(durable_root, storage_options))
@@ -237,10 +236,12 @@ def prunable_checkpoints(save_dir: str | os.PathLike, keep_last: int | None, kee
     keep = {s for s, _ in published[-keep_last:]}
     keep |= {s for s, _ in published if keep_every and s % keep_every == 0}
     out = []
+    backend = backend_for(save_dir)
+    spared = {backend.normalize(p) for p in spare}  # "./ckpt" and "ckpt" are one directory
     for name in _iter_names(save_dir, storage_options):
         step = int(_ITER_RE.match(name).group(1))  # type: ignore[union-attr]
-        path = backend_for(save_dir).join(save_dir, name)
-        if step < limit and step not in keep and path not in spare:
+        path = backend.join(save_dir, name)
+        if step < limit and step not in keep and backend.normalize(path) not in spared:
             out.append((step, path))
     return [path for _, path in sorted(out)]
 
@@ -390,7 +391,11 @@ class CheckpointManager:
                                    storage_options=self.storage_options, ranks_per_host=self._ranks_per_host)
         if point is None:
             return None
-        load(state_dict, point[1], process_group=group, storage_options=self.storage_options, **load_options)
+        b = backend_for(point[1])
+        on_fast_tier = b.dirname(b.normalize(point[1])) == b.normalize(self.save_dir)
+        fast = self._ranks_per_host if on_fast_tier else 0
+        load(state_dict, point[1], process_group=group, storage_options=self.storage_options,
+             **{"ranks_per_host": fast, **load_options})
         return point
 
     def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle:

@@ -122,6 +122,9 @@ class _SolosaveCheckpointing:
         #: The saves not yet collected: where each is written (beside) -> its destination.
         self._beside: dict[str, str] = {}
         self._discarded: set[str] = set()  # saves (beside) whose checkpoint was removed in flight
+        #: Removals asked for while a save was in flight (its path -> the checkpoints to remove
+        #: once it is published; kept if it fails).
+        self._held_removals: dict[str, list[str]] = {}
         self._saves_started = 0
         self._raised = 0  # failures of self._publisher already raised
         self._staging: SaveHandle | None = None
@@ -200,7 +203,7 @@ class _SolosaveCheckpointing:
         files = {META_FILE: _serialized(checkpoint)} if self.is_global_zero else None  # type: ignore[attr-defined]
         target = os.fspath(path)
         o = publisher.checkpointer.options
-        if o.durable_root or o.peer_copy:
+        if o.durable_root or o.peer_copy or o.peer_copies:
             # copies follow each save under its directory's name: written in place, as before
             # (the earlier checkpoint stays loadable on the durable tier while this one is saved)
             self._clear_destination(path)
@@ -256,6 +259,11 @@ class _SolosaveCheckpointing:
         what a failed one left beside it (nothing was published there; an error is logged)."""
         final = self._beside.pop(done.path, done.path)
         self._discarded.discard(done.path)
+        for held in self._held_removals.pop(done.path, []):  # removals that waited for this save
+            if done.error is None and self.is_global_zero:  # type: ignore[attr-defined]
+                self._remove_now(held)
+            elif done.error is not None:
+                log.warning("solosave: keeping %s: the save meant to displace it (%s) failed", held, final)
         if done.error is not None and self.is_global_zero and final != done.path:  # type: ignore[attr-defined]
             try:
                 _remove(Path(done.path))
@@ -289,7 +297,9 @@ class _SolosaveCheckpointing:
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         """Every rank (as ``ModelCheckpoint`` calls it): a save of ``filepath`` still in flight
         is waited for (bounded) and gets no ``meta.pt``; then rank 0 deletes the checkpoint (a
-        link only as a link). A failed deletion is logged, never raised: it would raise on rank
+        link only as a link). While another save is in flight (the one that displaces this
+        checkpoint from the top k), the deletion waits for it to be published, and does not
+        happen if it fails. A failed deletion is logged, never raised: it would raise on rank
         0 alone."""
         target = os.path.abspath(os.fspath(filepath))
         p = self._publisher
@@ -297,8 +307,16 @@ class _SolosaveCheckpointing:
         if p is not None and flight is not None and os.path.abspath(self._beside.get(flight, flight)) == target:
             self._discarded.add(flight)
             p.collect(block=True, discard_files=True)
-        if not self.is_global_zero:  # type: ignore[attr-defined]
+        elif p is not None and flight is not None:
+            # top-k removes the checkpoint a new save displaces while that save is in flight: the
+            # removal waits for the new one to be published (if it fails, the old one stays)
+            self._held_removals.setdefault(flight, []).append(target)
             return
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            self._remove_now(target)
+
+    def _remove_now(self, target: str) -> None:
+        """Rank 0: delete a checkpoint; a failure is logged (raising would raise on rank 0 alone)."""
         try:
             _remove(Path(target))
         except OSError as e:

@@ -28,3 +28,28 @@ def test_results_are_written_and_plots_skipped_without_matplotlib(tmp_path):
     assert "solosave[plots]" in skipped[0]
     assert "=== scale simulation" in r.stdout and "\n     2       400 |" in r.stdout  # the table, W=2's row
     assert not list(out.glob("*.png"))
+
+
+def test_the_placement_model_counts_what_brute_force_counts():
+    """``--only placement``: the exact counts of the model against every F-subset of small jobs,
+    for the library's placement (``PeerPlacement.lost_files_of``) and the others'."""
+    import itertools
+    import math
+
+    from benchmarks.placement import groups_of, p_no_durable_read, p_no_durable_read_domains, safe_subsets
+    from solosave._src.tiers.placement import PeerPlacement
+
+    for g, k in ((2, 1), (3, 1), (5, 2), (7, 3), (9, 1)):
+        brute = [sum(1 for c in itertools.combinations(range(g), m)
+                     if not any(all((q + j) % g in c for j in range(k + 1)) for q in range(g))) for m in range(5)]
+        assert list(safe_subsets(g, k, 4)) == brute, (g, k)
+    for hosts, k in ((7, 1), (9, 2), (10, 3), (8, 1)):
+        p, groups = PeerPlacement(hosts, k), groups_of("solosave", hosts, k)
+        for f in range(1, 5):
+            ok = sum(1 for c in itertools.combinations(range(hosts), f) if not p.lost_files_of(set(c)))
+            assert math.isclose(p_no_durable_read(groups, k, f), ok / math.comb(hosts, f)), (hosts, k, f)
+    assert groups_of("clique", 9, 2) == [(0, 1, 2), (3, 4, 5), (6, 7, 8)] and groups_of("clique", 8, 2) is None
+    assert groups_of("pairs", 6, 1) == [(0, 3), (1, 4), (2, 5)]
+    # 8 hosts in 4 racks of 2, one copy: losing one rack never loses a file with the domains known
+    assert p_no_durable_read_domains(groups_of("solosave", 8, 1, 2), 1, 2, 1) == (1.0, "exact")
+    assert p_no_durable_read_domains(groups_of("solosave", 8, 1, 1), 1, 2, 1)[0] < 1.0

@@ -9,6 +9,7 @@ name must import as a module or name an attribute of one."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -56,7 +57,10 @@ def _resolves(name: str) -> bool:
     for cut in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
+        except ImportError as e:
+            missing = getattr(e, "name", None) or ""
+            if missing and not missing.startswith("solosave") and importlib.util.find_spec(".".join(parts[:cut])):
+                return True  # a module of an optional extra whose package is not installed here
             continue
         for attr in parts[cut:]:
             if not hasattr(obj, attr):

@@ -108,9 +108,9 @@ def state_dict(state: RankState, step: int, position: int) -> dict[str, Any]:
 def _resume_point(args: argparse.Namespace) -> tuple[int, str] | None:
     """Rank 0 picks the newest published checkpoint under ``--load``; every rank gets its choice.
     With ``--ckpt-durable-root`` every rank takes part in the choice of the tier instead (and
-    with ``--ckpt-peer-copy`` a host that lost it gets it back from its peers first)."""
+    with ``--ckpt-peer-copies`` hosts that lost it get it back from their peers first)."""
     if args.durable_root:
-        hosts = peer_ranks_per_host(options_from_args(args), dist.get_world_size()) if args.peer_copy else 0
+        hosts = peer_ranks_per_host(options_from_args(args), dist.get_world_size())
         return find_restore_point(args.load, args.durable_root, storage_options=args.storage_options,
                                   ranks_per_host=hosts)
     choice = [find_latest_checkpoint(args.load, args.storage_options) if dist.get_rank() == 0 else None]
@@ -134,7 +134,9 @@ def resume(args: argparse.Namespace, state: RankState) -> tuple[int, int]:
         del sd["rng"]
     check_fits(sd, saved, point[1])
     t_load = time.perf_counter()
-    solosave.load(sd, point[1], storage_options=args.storage_options)
+    fast = args.durable_root and os.path.dirname(os.path.normpath(point[1])) == os.path.normpath(args.load)
+    hosts = peer_ranks_per_host(options_from_args(args), dist.get_world_size()) if fast else 0
+    solosave.load(sd, point[1], storage_options=args.storage_options, ranks_per_host=hosts)
     t_load = time.perf_counter() - t_load
     set_state_dict(state.train_model, state.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     step, position = int(sd["train"]["step"]), int(sd["train"]["data_position"])

@@ -104,33 +104,3 @@ def test_ranks_that_load_different_checkpoints_are_told(monkeypatch):
     monkeypatch.setattr(tiers, "_agree", lambda *a: None)  # what a mismatched word decodes to
     with pytest.raises(ValueError, match="the ranks load different checkpoints"):
         choose_copy("/x/iter_1", "/y")
-
-
-# -- peer copies: which step the hosts restore on their fast tiers (tiers/peer_repair.py) -------------
-
-def _held(per_host, steps_of_host):
-    """Every rank's ``{step: name}``, ranks of a host alike."""
-    return [{s: f"iter_{s:07d}" for s in steps_of_host[r // per_host]} for r in range(per_host * len(steps_of_host))]
-
-
-def test_the_newest_step_every_host_holds_needs_no_repair():
-    from solosave._src.tiers.peer_repair import newest_restorable
-
-    assert newest_restorable(_held(2, [{1, 2}, {1, 2}]), 2) == (2, "iter_0000002", [True] * 4)
-
-
-def test_a_lost_host_gets_the_newest_step_its_neighbours_hold():
-    from solosave._src.tiers.peer_repair import newest_restorable
-
-    assert newest_restorable(_held(2, [set(), {1, 2}]), 2) == (2, "iter_0000002", [False, False, True, True])
-    # three hosts: host 1 lost; hosts 0 and 2 (its neighbours) hold step 5
-    assert newest_restorable(_held(1, [{4, 5}, set(), {4, 5}]), 1) == (5, "iter_0000005", [True, False, True])
-
-
-def test_a_step_two_neighbouring_hosts_lost_is_not_restorable_from_peers():
-    from solosave._src.tiers.peer_repair import newest_restorable
-
-    # hosts 0 and 1 of three lost step 5 (host 1's files lived on hosts 1 and 2, host 0's on 0 and 1)
-    assert newest_restorable(_held(1, [{4}, {4}, {4, 5}]), 1) == (4, "iter_0000004", [True, True, True])
-    assert newest_restorable(_held(1, [set(), set(), {4, 5}]), 1) is None
-    assert newest_restorable(_held(2, [set(), set()]), 2) is None

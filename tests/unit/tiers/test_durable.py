@@ -239,30 +239,3 @@ def test_the_engine_queues_a_copy_per_published_save_and_reports_it(tmp_path):
             s.close()
         for e in engines:
             e.close()
-
-
-def test_the_peer_copy_options_and_their_flags(monkeypatch):
-    from solosave._src.save.options import peer_ranks_per_host
-
-    parser = argparse.ArgumentParser()
-    add_option_flags(parser)
-    args = parser.parse_args(["--ckpt-durable-root", "/d", "--ckpt-peer-copy", "--ckpt-ranks-per-host", "4"])
-    o = options_from_args(args)
-    assert o.peer_copy and o.ranks_per_host == 4 and peer_ranks_per_host(o, 8) == 4
-    assert peer_ranks_per_host(CheckpointerOptions(), 8) == 0
-    with pytest.raises(OptionError, match="peer_copy needs durable_root"):
-        CheckpointerOptions(peer_copy=True)
-    with pytest.raises(OptionError, match="ranks_per_host must be a whole number >= 1"):
-        CheckpointerOptions(ranks_per_host=0)
-    with pytest.raises(ValueError, match="at least two hosts of 4 rank"):
-        peer_ranks_per_host(o, 4)
-    with pytest.raises(ValueError, match="at least two hosts of 4 rank"):
-        peer_ranks_per_host(o, 6)
-    env = CheckpointerOptions(durable_root="/d", peer_copy=True)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert peer_ranks_per_host(env, 4) == 2
-    with pytest.raises(ValueError, match="peer_copy is for two hosts .* makes 3 of the 6 ranks"):
-        peer_ranks_per_host(env, 6)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    with pytest.raises(ValueError, match="pass ranks_per_host .* or launch with torchrun"):
-        peer_ranks_per_host(env, 4)

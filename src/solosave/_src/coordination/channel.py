@@ -171,10 +171,10 @@ class Channel:
         the ranks did not all contribute a word of ``ident``. One 8-byte ``all_reduce``."""
         return decode_flags(self.all_and(encode_flags(flags, ident)), ident)
 
-    def agree_setup(self, ok: bool, durable: bool, ranks_per_host: int) -> SetupAgreement:
+    def agree_setup(self, ok: bool, durable: bool, peers: str | None) -> SetupAgreement:
         """Every rank, together, once per ``AsyncCheckpointer``: the set-up word
         (:func:`~solosave._src.coordination.status.encode_setup`), one 8-byte agreement."""
-        return decode_setup(self.all_and(encode_setup(ok, durable, ranks_per_host)))
+        return decode_setup(self.all_and(encode_setup(ok, durable, peers)))
 
     def agree_ok(self, error: Any, known_failed: bool = False) -> dict[int, Any]:
         """Every rank, together: whether every rank succeeded (one 8-byte ``all_reduce``, skipped

@@ -200,8 +200,12 @@ class EngineSettings:
     storage_options: dict | None = None
     #: Two tiers: the root that every published save is copied under (``CheckpointerOptions``).
     durable_root: str | None = None
-    #: Peer copies: the ranks per host (0: no peer copy; ``CheckpointerOptions.peer_copy``).
+    #: Peer copies: the ranks per host (0: no peer copy; ``CheckpointerOptions.peer_copies``).
     peer_ranks_per_host: int = 0
+    #: Peer copies: copies of each host's files on other hosts (``CheckpointerOptions.peer_copies``).
+    peer_copies: int = 1
+    #: Peer copies: hosts per failure domain (``CheckpointerOptions.hosts_per_domain``; 1: none).
+    peer_hosts_per_domain: int = 1
 
 
 @dataclass(frozen=True)

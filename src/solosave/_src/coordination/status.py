@@ -100,19 +100,20 @@ def decode_flags(word: int, ident: SaveIdentity) -> int | None:
 class SetupAgreement(NamedTuple):
     """What the set-up word of every rank's ``AsyncCheckpointer`` settled (the same everywhere):
     whether every rank set up, whether every rank or none has a durable tier, and whether every
-    rank has the same peer copies' ranks per host (the last two are meaningful when ``ok``)."""
+    rank has the same peer copies' layout (the last two are meaningful when ``ok``)."""
 
     ok: bool
     same_durable: bool
-    same_ranks_per_host: bool
+    same_peers: bool
 
 
 # bit 0 set up here; bit 1 durable_root here, bit 2 none (after the AND, both 0: some ranks only);
-# bits 8-23 the peer copies' ranks per host, bits 24-39 its complement: equal on every rank exactly
-# when the AND gives back the value and its complement.
-def encode_setup(ok: bool, durable: bool, ranks_per_host: int) -> int:
-    hosts = ranks_per_host & 0xFFFF
-    return int(ok) | (0b010 if durable else 0b100) | hosts << 8 | (~hosts & 0xFFFF) << 24
+# bits 8-23 a 16-bit digest of the peer copies' layout (0: none), bits 24-39 its complement: equal
+# on every rank exactly when the AND gives back the value and its complement (two layouts with the
+# same digest pass: one chance in 65,536, and the copier's transfers then fail, bounded).
+def encode_setup(ok: bool, durable: bool, peers: str | None) -> int:
+    code = 0 if peers is None else int.from_bytes(hashlib.sha256(peers.encode()).digest()[:2], "little") | 1
+    return int(ok) | (0b010 if durable else 0b100) | code << 8 | (~code & 0xFFFF) << 24
 
 
 def decode_setup(word: int) -> SetupAgreement:

@@ -71,24 +71,31 @@ class PassResult:
     error: str | None = None
 
 
-def ring_pass(channel: Channel, send_to: int, recv_from: int, outgoing: Sequence[Outgoing],
+def ring_pass(channel: Channel, send_to: int | None, recv_from: int | None, outgoing: Sequence[Outgoing],
               open_sink: Callable[[str, int], Any], stop: Callable[[], bool] | None = None,
               chunk: int = CHUNK, max_bytes: int | None = None) -> PassResult:
     """Send ``outgoing`` to ``send_to`` and receive from ``recv_from`` (see the module docstring).
-    ``open_sink(name, size)`` gives the object a received file is written to (``write``,
-    ``commit``, ``close``, as a ``DataFile``); ``stop()`` is checked between chunks; ``chunk``:
-    bytes per message (the same on every rank); ``max_bytes``: the most this rank can receive
-    (its free space): from a header announcing more, nothing is written (the bytes are received
-    and dropped, so both ranks stay in step) and the pass reports the error. A header announcing
-    more than :data:`MAX_ANNOUNCED` breaks the channel at once."""
+    Either may be ``None``: this rank only receives (``outgoing`` then empty) or only sends, and
+    its partner calls with the matching rank. ``open_sink(name, size)`` gives the object a
+    received file is written to (``write``, ``commit``, ``close``, as a ``DataFile``); ``stop()``
+    is checked between chunks; ``chunk``: bytes per message (the same on every rank);
+    ``max_bytes``: the most this rank can receive (its free space): from a header announcing
+    more, nothing is written (the bytes are received and dropped, so both ranks stay in step)
+    and the pass reports the error. A header announcing more than :data:`MAX_ANNOUNCED` breaks
+    the channel at once."""
     res = PassResult()
+    if send_to is None and outgoing:
+        raise ValueError("internal: files to send without a rank to send them to")
     files, error = _sizes(outgoing)
     header = json.dumps({"files": files, "error": error}).encode()
-    got = channel.exchange(send_to, len(header).to_bytes(8, "little"), recv_from, 8)
+    out_header = header if send_to is not None else None
+    got = channel.exchange(send_to, len(header).to_bytes(8, "little") if out_header else None, recv_from,
+                           8 if recv_from is not None else 0)
     size = int.from_bytes(got or b"", "little")
     if size > MAX_HEADER:
         raise ChannelError(f"rank {recv_from} announced a header of {size} bytes (at most {MAX_HEADER})")
-    theirs = _read_header(channel.exchange(send_to, header, recv_from, size), recv_from)
+    data = channel.exchange(send_to, out_header, recv_from, size if recv_from is not None else 0)
+    theirs = _read_header(data, recv_from) if recv_from is not None else {"files": [], "error": None}
     incoming = [(name, size) for name, size in theirs["files"]]
     total = sum(size for _, size in incoming)
     if total > MAX_ANNOUNCED:  # no checkpoint holds that much per rank: a crafted or corrupt header
@@ -109,7 +116,10 @@ def ring_pass(channel: Channel, send_to: int, recv_from: int, outgoing: Sequence
         _abandon(sinks)  # a pass cut short leaves no temporary file and no open descriptor
         raise
     read_error = out_chunks.error or error
-    trailer = channel.exchange(send_to, b"+" if read_error is None else b"-", recv_from, 1)
+    trailer = channel.exchange(send_to, (b"+" if read_error is None else b"-") if send_to is not None else None,
+                               recv_from, 1 if recv_from is not None else 0)
+    if recv_from is None:
+        trailer = b"+"
     if theirs["error"] is not None:
         res.error = f"rank {recv_from} could not send its files: {theirs['error']}"
     elif trailer != b"+":
@@ -136,7 +146,7 @@ class _ChunkPlan:
         return i, min(self.chunk, self.sizes[i] - (step - first) * self.chunk)
 
 
-def _move(channel: Channel, send_to: int, recv_from: int, out_chunks: Any, in_plan: _ChunkPlan,
+def _move(channel: Channel, send_to: int | None, recv_from: int | None, out_chunks: Any, in_plan: _ChunkPlan,
           incoming: list[tuple[str, int]], sinks: list[Any], res: PassResult, files: list[tuple[str, int]],
           chunk: int, stop: Callable[[], bool] | None, write_error: str | None) -> str | None:
     """Step 2: the chunks both ways. Returns the first write error (the pass goes on after it,

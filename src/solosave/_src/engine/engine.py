@@ -52,6 +52,7 @@ from solosave._src.engine.reuse import ReceiptLost, run_reuse
 from solosave._src.formats.dcp import checksum_path
 from solosave._src.prepared.prepared import PreparedMetadata
 from solosave._src.tiers.durable import MAX_PENDING, Copier, CopyTask
+from solosave._src.tiers.placement import PeerLayout
 from solosave._src.write.writer import FileWriter
 
 RECREATE = ("this checkpointer cannot coordinate any more saves: close() it and create a new "
@@ -83,8 +84,10 @@ class Engine:
         #: Why the channel cannot be used any more, and the kind of that failure.
         self.broken: tuple[ErrorKind, str] | None = None
         #: Two tiers: this rank's durable copies (``None`` without a durable root).
-        self.copier = (Copier(durable, writer, settings.storage_options, settings.files_per_rank,
-                              settings.peer_ranks_per_host)
+        peers = (PeerLayout.of(durable.world_size, settings.peer_ranks_per_host, settings.peer_copies,
+                               settings.peer_hosts_per_domain)
+                 if durable is not None and settings.peer_ranks_per_host else None)
+        self.copier = (Copier(durable, writer, settings.storage_options, settings.files_per_rank, peers)
                        if durable is not None and settings.durable_root else None)
 
     def close(self, timeout: float = 5.0) -> None:

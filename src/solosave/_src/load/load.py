@@ -60,9 +60,9 @@ from solosave._src.load.whole_reads import WholeRead, keeps_default, planning_th
 from solosave._src.storage.base import Storage
 from solosave._src.storage.dcp_filesystem import DcpFileSystem
 from solosave._src.storage.registry import backend_for, storage_for
-from solosave._src.tiers.choice import choose_copy, complete_here
+from solosave._src.tiers.choice import choose_copy
 from solosave._src.tiers.paths import durable_copy_of
-from solosave._src.tiers.peer_repair import restore_from_peers
+from solosave._src.tiers.peer_repair import fetch_for_load, restore_from_peers
 
 log = logging.getLogger(__name__)
 
@@ -325,24 +325,26 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     found damaged while loading (a truncated or unreadable file, on any rank) is followed by a
     load of the durable copy, on every rank. Returns the path loaded from.
 
-    ``ranks_per_host`` (a checkpoint saved with ``peer_copy``, fast tiers local to each host):
-    first, a host whose fast tier misses ``path`` gets its files back from its neighbour hosts
-    (:mod:`solosave._src.tiers.peer_repair`: one ``all_gather_object`` of one flag per rank; the
-    transfers only when a host misses it).
+    ``ranks_per_host`` (saved with ``peer_copies``, fast tiers local to each host): hosts that miss
+    part of ``path`` get it back from the hosts that hold it, then the files this rank reads that
+    its host does not keep come from those that do (:mod:`solosave._src.tiers.peer_repair`: an
+    ``all_gather_object`` each; transfers only where a host misses something).
     """
     distributed = dist.is_available() and dist.is_initialized()
-    if ranks_per_host and distributed:
+    peers = ranks_per_host if distributed else 0
+    if peers:
         backend = backend_for(path)
         name = backend.basename(backend.normalize(path))
-        held = {0: name} if complete_here(path, storage_options) else {}
-        restore_from_peers(backend.dirname(backend.normalize(path)), held, ranks_per_host, process_group,
+        restore_from_peers(backend.dirname(backend.normalize(path)), {0: name}, peers, process_group,
                            storage_options)
     args = (process_group, planner, read_metadata_once, safe_globals, storage_options, use_index, distributed)
-    if durable_root is None:
+    chosen = path if durable_root is None else choose_copy(path, durable_root, process_group, storage_options)
+    durable = None if durable_root is None else durable_copy_of(path, durable_root)
+    if peers and chosen != durable:
+        _fetch_from_peers(state_dict, chosen, peers, process_group, storage_options)
+    if durable is None:
         _load(state_dict, path, *args)
         return os.fspath(path)
-    chosen = choose_copy(path, durable_root, process_group, storage_options)
-    durable = durable_copy_of(path, durable_root)
     try:
         _load(state_dict, chosen, *args)
     except OutOfStep:
@@ -354,7 +356,43 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
                     chosen, e, durable)
         _load(state_dict, durable, *args)
         return durable
-    return chosen
+    return os.fspath(chosen)
+
+
+def _fetch_from_peers(state_dict: dict[str, Any], path: str | os.PathLike, ranks_per_host: int,
+                      process_group: Any, storage_options: Mapping[str, Any] | None) -> None:
+    """Peer copies on more hosts than copies + 1: bring the files this rank's load reads to its
+    host from the hosts that hold them (:func:`~solosave._src.tiers.peer_repair.fetch_for_load`;
+    every rank). A failure is logged: the load then finds the file missing and says so, or,
+    with two tiers, reads the durable copy."""
+    st = storage_for(path, storage_options)
+    directory = st.normalize(path)
+    error = fetch_for_load(directory, _files_read(state_dict, directory, st), ranks_per_host, process_group,
+                           storage_options)
+    if error is not None:
+        log.warning("solosave.load: fetching the files of %s that this host does not hold failed: %s",
+                    directory, error)
+
+
+def _files_read(state_dict: dict[str, Any], directory: str, st: Storage) -> set[str]:
+    """The data files this rank's load of ``state_dict`` reads (from the load index; every file
+    the checkpoint names when the index cannot say)."""
+    try:
+        idx = LoadIndex.open(directory, st)
+    except (IndexUnusable, OSError):
+        idx = None
+    if idx is None:
+        return set()
+    try:
+        planner = DefaultLoadPlanner()
+        sd = {k: v.state_dict() if _is_stateful(v) else v for k, v in state_dict.items()}
+        planner.set_up_planner(sd, _EMPTY, False)  # flattens: the keys to look up
+        md = idx.metadata_for(wanted_of(planner.state_dict))
+        return {info.relative_path for info in md.storage_data.values()}
+    except Exception:  # noqa: BLE001 - the load itself reports what is wrong with the index
+        return set(idx.files)
+    finally:
+        idx.close()
 
 
 def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: Any, planner: Any,
@@ -408,6 +446,12 @@ def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: Safe
         if isinstance(error, IndexUnusable):  # found while looking up this rank's entries: before any read
             log.warning("solosave.load: not using the load index: %s; reading the whole %s", error, METADATA_FILE)
             error, loaded = None, False
+        elif error is not None and _index_disagrees(path, storage):
+            # an index that disagrees with its own .metadata (a size, an offset) fails as if the
+            # data were bad: .metadata settles it (where they agree, the error stands)
+            log.warning("solosave.load: the load index of %s disagrees with its %s (%s); reading the whole %s",
+                        os.fspath(path), METADATA_FILE, error, METADATA_FILE)
+            error, loaded = None, False
     if not distributed:
         if error is not None:
             raise error
@@ -423,6 +467,37 @@ def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: Safe
         error = _agree(error, process_group, known_failed=True)
         raise error if error is not None else RuntimeError("internal: a rank failed to load and reported no error")
     return None if both & 2 else loaded
+
+
+def _index_disagrees(path: str | os.PathLike, storage: Storage) -> bool:
+    """After a load through the index failed (the failure path only): whether the load index's
+    entries differ from ``.metadata``'s (both read again here, every key, every chunk). ``False``
+    when they agree or either cannot be read (the error stands)."""
+    try:
+        directory = storage.normalize(path)
+        whole = parse_metadata(storage.read(storage.join(directory, METADATA_FILE)), path)
+        idx = LoadIndex.open(directory, storage)
+    except Exception:  # noqa: BLE001 - nothing to settle it with: the index's error stands
+        return False
+    if idx is None:
+        return False
+    try:
+        part = idx.metadata_for({k: None for k in whole.state_dict_metadata})
+    except Exception:  # noqa: BLE001 - an index that cannot give the entries disagrees
+        return True
+    finally:
+        idx.close()
+    for key, full in whole.state_dict_metadata.items():
+        md = part.state_dict_metadata.get(key)
+        if md is None or type(full) is not type(md) or getattr(full, "size", None) != getattr(md, "size", None):
+            return True
+        if ({(tuple(c.offsets), tuple(c.sizes)) for c in getattr(full, "chunks", ())}
+                != {(tuple(c.offsets), tuple(c.sizes)) for c in getattr(md, "chunks", ())}):
+            return True
+    stored, mine = whole.storage_data or {}, part.storage_data or {}
+    return len(stored) != len(mine) or any(
+        mine.get(k) is None or (mine[k].relative_path, mine[k].offset, mine[k].length)
+        != (v.relative_path, v.offset, v.length) for k, v in stored.items())
 
 
 def _metadata(path: str | os.PathLike, once: bool, process_group: Any,

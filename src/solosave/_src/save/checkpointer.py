@@ -27,6 +27,7 @@ completes later, when the worker reports the copy's outcome (the same pump: a ha
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -63,12 +64,13 @@ from solosave._src.formats.dcp import METADATA_FILE
 from solosave._src.prepared.prepared import PreparedMetadata, load_prepared_metadata
 from solosave._src.save.copies import PendingCopies
 from solosave._src.save.handle import SaveHandle, complete, wait_published
-from solosave._src.save.options import CheckpointerOptions, peer_ranks_per_host
+from solosave._src.save.options import CheckpointerOptions, peer_layout
 from solosave._src.save.result import SaveResult, Started
 from solosave._src.save.session import SaveSession, normalize_directory
 from solosave._src.staging.staging import Staging
 from solosave._src.storage.registry import storage_for
 from solosave._src.tiers.paths import durable_target_problem
+from solosave._src.tiers.placement import PeerLayout
 from solosave._src.worker.host import ProcessTransport, ThreadTransport
 from solosave._src.write.writer import FileWriter
 
@@ -164,15 +166,17 @@ class AsyncCheckpointer:
         self._submit_error: BaseException | None = None
         self._known_buckets: set[str] = set()  # URL destinations whose bucket was seen to exist
         self._res = _Resources()
-        self._ranks_per_host = 0
+        self._peers: PeerLayout | None = None
         self._res.session = SaveSession(self.rank, self.world_size, self.options, self._agreed_prepared())
         self._finalizer = weakref.finalize(self, self._res.release, 5.0)
         self._start_background(writer)
 
     def _start_background(self, writer: FileWriter | None) -> None:
         o = self.options
+        peers = self._peers
         settings = EngineSettings(o.files_per_rank, o.on_layout_drift, o.prepared_path, o.storage_options,
-                                  o.durable_root, self._ranks_per_host)
+                                  o.durable_root, self.peer_ranks_per_host, peers.copies if peers else 1,
+                                  peers.placement.hosts_per_domain if peers else 1)
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
         self._res.address, self._res.others = (host, port, prefix), self.world_size - 1
         self._session.run_id = prefix  # fresh per checkpointer (a uuid4), the same on every rank
@@ -197,8 +201,13 @@ class AsyncCheckpointer:
 
     @property
     def peer_ranks_per_host(self) -> int:
-        """Peer copies (``peer_copy``): the ranks per host the saves use (0: no peer copy)."""
-        return self._ranks_per_host
+        """Peer copies (``peer_copies``): the ranks per host the saves use (0: no peer copy)."""
+        return 0 if self._peers is None else self._peers.ranks_per_host
+
+    @property
+    def peer_layout(self) -> PeerLayout | None:
+        """Peer copies (``peer_copies``): where each host's files go (``None``: no peer copy)."""
+        return self._peers
 
     # -- prepared metadata ----------------------------------------------------------------
     def _agreed_prepared(self) -> PreparedMetadata | None:
@@ -211,19 +220,21 @@ class AsyncCheckpointer:
         rank has the same peer copies' ``ranks_per_host`` (a ring that differs between ranks
         would pair the wrong ranks)."""
         try:
-            self._ranks_per_host = peer_ranks_per_host(self.options, self.world_size)
+            self._peers = peer_layout(self.options, self.world_size)
             prepared, error = self._initial_prepared(), None
         except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
             prepared, error = None, e
         ch = DistChannel(self.process_group, self._setup_counter)
-        agreed = ch.agree_setup(error is None, bool(self.options.durable_root), self._ranks_per_host)
+        peers = None if self._peers is None else json.dumps(self._peers.describe(), sort_keys=True)
+        agreed = ch.agree_setup(error is None, bool(self.options.durable_root), peers)
         if agreed.ok:  # every rank set up: a mismatch is seen by every rank alike
             if not agreed.same_durable:
                 raise ValueError("durable_root is set on some ranks only: pass the same durable_root (or none) "
                                  "to the AsyncCheckpointer of every rank")
-            if not agreed.same_ranks_per_host:
-                raise ValueError("peer_copy or ranks_per_host differs between ranks: pass the same to the "
-                                 "AsyncCheckpointer of every rank (LOCAL_WORLD_SIZE must be the same on every host)")
+            if not agreed.same_peers:
+                raise ValueError("peer_copies, ranks_per_host or hosts_per_domain differs between ranks: pass the "
+                                 "same to the AsyncCheckpointer of every rank (LOCAL_WORLD_SIZE must be the same on "
+                                 "every host)")
             return prepared
         reports = ch.agree_ok(None if error is None else f"{type(error).__name__}: {error}", known_failed=True)
         if error is not None:
@@ -368,7 +379,7 @@ class AsyncCheckpointer:
                 "directory or pass overwrite=True (its .metadata is removed before any data is written)")
         storage.prepare_destination(directory, self._known_buckets)
         root = self.options.durable_root
-        if overwrite and self._ranks_per_host:
+        if overwrite and self._peers is not None:
             raise ValueError(f"save(..., overwrite=True) to {directory!r}: not with peer copies (a host would keep "
                              "the earlier save's peer files beside the new .metadata until the new ones arrive); "
                              "save under a new name")

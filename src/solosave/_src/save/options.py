@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from solosave._src.core.errors import OptionError
 from solosave._src.prepared.prepared import PreparedMetadata
+from solosave._src.tiers.placement import PeerLayout
 
 DRIFT_POLICIES = ("fallback", "raise")
 #: Where each rank's saves are written: a spawned process reused by every save, or a thread.
@@ -113,14 +114,22 @@ class _OptionFields:
         "DURABLE/NAME/.metadata once every rank's copy succeeded (a path or a URL; "
         "storage_options apply to URLs); the training loop never waits for the copy"))
     peer_copy: bool = option(False, flag="--ckpt-peer-copy", help=(
+        "one peer copy: the same as peer_copies=1"))
+    peer_copies: int = option(0, flag="--ckpt-peer-copies", metavar="K", help=(
         "two tiers with a fast tier local to each host (the same path on every host): before its "
-        "durable copy, each rank's worker also sends its files to the same local rank on the next "
-        "host, which keeps them beside its own, and every host gets the .metadata; a host whose "
-        "fast tier is lost is restored from its peer (CheckpointManager.restore, find_restore_point "
-        "with ranks_per_host), without the durable tier. Needs durable_root"))
+        "durable copy, each rank's worker also sends its files to the same local rank of K other "
+        "hosts (in K other failure domains when hosts_per_domain leaves enough), which keep them "
+        "beside their own, and every host gets the .metadata; hosts whose fast tiers are lost (up "
+        "to K, any of them) are rebuilt from the others (CheckpointManager.restore, find_restore_point "
+        "or solosave.load with ranks_per_host), without reading the durable tier. 0: none. Needs "
+        "durable_root and K < the number of hosts"))
     ranks_per_host: int | None = option(None, flag="--ckpt-ranks-per-host", metavar="N", help=(
         "peer copies: ranks per host, hosts being consecutive blocks of ranks (default: "
         "$LOCAL_WORLD_SIZE, which torchrun sets)"))
+    hosts_per_domain: int | None = option(None, flag="--ckpt-hosts-per-domain", metavar="N", help=(
+        "peer copies: hosts per failure domain (rack, switch), domains being consecutive blocks of "
+        "hosts; the copies of a file then go to other domains than its own and each other's where "
+        "there are more than K domains. Default: each host its own domain"))
 
     def __post_init__(self) -> None:
         _check_storage_options(self)
@@ -222,35 +231,47 @@ def _check_durable_root(options: _OptionFields) -> None:
 
 
 def _check_peer_copy(options: _OptionFields) -> None:
-    """``peer_copy`` rides on the durable copies' channel; ``ranks_per_host`` is a count."""
-    n = options.ranks_per_host
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise OptionError(f"{{ranks_per_host}} must be a whole number >= 1, got {n!r}")
-    if options.peer_copy and not options.durable_root:
-        raise OptionError("{peer_copy} needs {durable_root}: the peer copy runs in the background copy of two "
+    """Peer copies ride on the durable copies' channel; their counts are whole numbers."""
+    for name in ("ranks_per_host", "hosts_per_domain"):
+        n = getattr(options, name)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise OptionError(f"{{{name}}} must be a whole number >= 1, got {n!r}")
+    k = options.peer_copies
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise OptionError(f"{{peer_copies}} must be a whole number >= 0 (copies of each host's files), got {k!r}")
+    if (options.peer_copy or k) and not options.durable_root:
+        raise OptionError("{peer_copies} needs {durable_root}: the peer copies run in the background copy of two "
                           "tiers, before the copy to the durable tier; set both")
 
 
-def peer_ranks_per_host(options: CheckpointerOptions, world_size: int) -> int:
-    """The ranks per host of the peer copies (0: no peer copy). Raises ``ValueError`` naming the
-    fix when they cannot be made: no host size known, or fewer than two hosts."""
-    if not options.peer_copy:
-        return 0
+def peer_copy_count(options: _OptionFields) -> int:
+    """K: the copies of each host's files (``peer_copies``, or 1 for ``peer_copy``; 0: none)."""
+    return options.peer_copies or (1 if options.peer_copy else 0)
+
+
+def peer_layout(options: _OptionFields, world_size: int) -> PeerLayout | None:
+    """Where the peer copies go (``None``: no peer copy). Raises ``ValueError`` naming the fix
+    when they cannot be made: no host size known, uneven hosts or domains, K >= the hosts."""
+    k = peer_copy_count(options)
+    if not k:
+        return None
     n = options.ranks_per_host
     if n is None:
         env = os.environ.get("LOCAL_WORLD_SIZE", "")
         if not env.isdigit() or int(env) < 1:
-            raise ValueError("peer_copy needs the number of ranks per host: pass ranks_per_host "
+            raise ValueError("peer copies need the number of ranks per host: pass ranks_per_host "
                              "(--ckpt-ranks-per-host) or launch with torchrun, which sets LOCAL_WORLD_SIZE")
         n = int(env)
     if world_size % n or world_size // n < 2:
-        raise ValueError(f"peer_copy needs at least two hosts of {n} rank(s) each (ranks_per_host={n}), but the "
-                         f"world has {world_size} rank(s): drop peer_copy on a single host, or fix ranks_per_host")
-    if world_size // n > 2:
-        raise ValueError(f"peer_copy is for two hosts (ranks_per_host={n} makes {world_size // n} of the {world_size} "
-                         "ranks): with more, no host would hold every file and restores could not use the peer "
-                         "copies (docs/storage.md, 'Peer copies'); drop peer_copy")
-    return n
+        raise ValueError(f"peer copies need at least two hosts of {n} rank(s) each (ranks_per_host={n}), but the "
+                         f"world has {world_size} rank(s): drop peer_copies on a single host, or fix ranks_per_host")
+    return PeerLayout.of(world_size, n, k, options.hosts_per_domain or 1)
+
+
+def peer_ranks_per_host(options: _OptionFields, world_size: int) -> int:
+    """The ranks per host of the peer copies (0: no peer copy); raises as :func:`peer_layout`."""
+    layout = peer_layout(options, world_size)
+    return 0 if layout is None else layout.ranks_per_host
 
 
 def add_option_flags(group: Any, cls: type = CheckpointerOptions, only: tuple[str, ...] | None = None) -> None:

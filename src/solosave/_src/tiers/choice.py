@@ -29,6 +29,7 @@ the index's first bytes; nothing of the data.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -43,6 +44,8 @@ from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.index.reader import LoadIndex
 from solosave._src.storage.registry import backend_for, storage_for
 from solosave._src.tiers.paths import durable_copy_of
+from solosave._src.tiers.peer_copy import PEERS_FILE
+from solosave._src.tiers.placement import PeerLayout, owner_of
 
 FAST, DURABLE = 0b01, 0b10
 
@@ -50,9 +53,12 @@ FAST, DURABLE = 0b01, 0b10
 Candidate = tuple[int, "str | None", "str | None"]
 
 
-def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bool:
+def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
+                  rank: int | None = None) -> bool:
     """Whether this rank finds the checkpoint at ``path`` complete (see the module docstring).
-    Never raises: an unreachable or missing copy is not complete."""
+    With peer copies on more hosts than copies + 1 (a ``.solosave-peers`` sidecar), a host keeps
+    only some ranks' files: given this ``rank``, only the files its host should keep are
+    checked. Never raises: an unreachable or missing copy is not complete."""
     try:
         st = storage_for(path, storage_options)
         directory = st.normalize(path)
@@ -61,6 +67,7 @@ def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | 
             return False
         if INDEX_FILE not in names:
             return True
+        keep = _kept_here(st, directory, names, rank)
         idx = LoadIndex.open(directory, st)
     except IndexUnusable:  # a stale or damaged index: loads read .metadata, which is there
         return True
@@ -69,16 +76,36 @@ def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | 
     if idx is None:
         return True
     try:
-        if not all(name in names for name in idx.files):
+        files = list(idx.files)
+        ends = list(idx.file_ends) if idx.file_ends is not None else [0] * len(files)
+        wanted = [(f, e) for f, e in zip(files, ends) if keep is None or owner_of(f) in keep]
+        if not all(name in names for name, _ in wanted):
             return False
-        if idx.file_ends is None:  # an index written before the ends were kept: names only
-            return True
         sizes = st.sizes(directory)
-        return all(sizes.get(name, -1) >= end for name, end in zip(idx.files, idx.file_ends))
+        return all(sizes.get(name, -1) >= end for name, end in wanted)
     except (OSError, ValueError):
         return False
     finally:
         idx.close()
+
+
+def _kept_here(st: Any, directory: str, names: set[str], rank: int | None) -> set[int] | None:
+    """The ranks whose files ``rank``'s host keeps under a peer layout (``None``: every rank's)."""
+    if rank is None or PEERS_FILE not in names:
+        return None
+    try:
+        layout = PeerLayout.from_description(json.loads(st.read(st.join(directory, PEERS_FILE))))
+    except (OSError, ValueError):
+        return None
+    L = layout.ranks_per_host
+    return {o for h in layout.placement.keeps(layout.host_of(rank)) for o in range(h * L, h * L + L)}
+
+
+def my_rank(process_group: Any = None) -> int | None:
+    """This process's rank in ``process_group`` (``None`` without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_rank(process_group)
 
 
 def identity_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> str | None:
@@ -145,7 +172,8 @@ def choose_copy(path: str | os.PathLike, durable_root: str | os.PathLike, proces
     loading it then says so)."""
     fast = backend_for(path).normalize(path)
     durable = durable_copy_of(fast, durable_root)
-    agreed = _agree(FAST if complete_here(fast, storage_options) else 0, 0, durable, process_group)
+    agreed = _agree(FAST if complete_here(fast, storage_options, my_rank(process_group)) else 0, 0, durable,
+                    process_group)
     if agreed is None:
         raise ValueError(f"the ranks load different checkpoints ({durable!r} on this rank); every rank must "
                          "pass the same path and durable_root")
@@ -174,7 +202,8 @@ def _first_restorable(todo: Sequence[Candidate], process_group: Any,
                       storage_options: Mapping[str, Any] | None) -> tuple[int, str] | None | str:
     """The newest restorable candidate, ``None``, or ``"mismatch"`` (the ranks' lists differ)."""
     for step, fast, durable in todo:
-        flags = (FAST if fast is not None and complete_here(fast, storage_options) else 0) | (
+        here = my_rank(process_group)
+        flags = (FAST if fast is not None and complete_here(fast, storage_options, here) else 0) | (
             DURABLE if durable is not None and published_here(durable, storage_options) else 0)
         agreed = _agree(flags, step, f"restore step {step}", process_group)
         if agreed is None:
@@ -191,5 +220,5 @@ def _first_restorable(todo: Sequence[Candidate], process_group: Any,
     return None
 
 
-__all__ = ["choose_copy", "choose_restore_point", "complete_here", "durable_copy_of", "identity_here",
+__all__ = ["choose_copy", "choose_restore_point", "complete_here", "durable_copy_of", "identity_here", "my_rank",
            "published_here"]

@@ -56,7 +56,8 @@ from solosave._src.formats.metadata_template import replace_checkpoint_id
 from solosave._src.index.writer import shifted
 from solosave._src.storage.copy import stream_into
 from solosave._src.storage.registry import storage_for
-from solosave._src.tiers.peer_copy import copy_to_peer
+from solosave._src.tiers.peer_copy import copy_to_peers
+from solosave._src.tiers.placement import PeerLayout
 from solosave._src.write.publish import commit_checkpoint, unpublish
 from solosave._src.write.writer import FileWriter
 
@@ -91,10 +92,11 @@ class Copier:
     the transport before the first save; its errors are ignored: the trainer may be gone)."""
 
     def __init__(self, channel: Channel, writer: FileWriter, storage_options: Mapping[str, Any] | None = None,
-                 files_at_once: int = 1, ranks_per_host: int = 0) -> None:
+                 files_at_once: int = 1, peers: PeerLayout | None = None) -> None:
         self.channel = channel
-        #: Peer copies (``peer_copy``): the ranks per host; 0: none (see ``tiers/peer_copy.py``).
-        self.ranks_per_host = ranks_per_host
+        #: Peer copies (``peer_copies``): where each host's files go; ``None``: no peer copy (see
+        #: ``tiers/peer_copy.py``).
+        self.peers = peers
         self.writer = writer
         self.storage_options = storage_options
         self.files_at_once = max(files_at_once, 1)
@@ -202,13 +204,13 @@ class Copier:
     def _peer_step(self, task: CopyTask) -> tuple[bool | None, dict[int, str]]:
         """The peer copy of ``task`` (``tiers/peer_copy.py``), before its durable copy: ``(ok or None
         when there is none, failures)``. A broken channel breaks the copier."""
-        if not self.ranks_per_host:
+        if self.peers is None:
             return None, {}
         if self.broken is not None:
             return False, {self.channel.rank: self.broken}
         try:
-            failures = copy_to_peer(self.channel, task.seq, task.source, task.files, self.writer,
-                                    self.ranks_per_host, self.storage_options, stop=lambda: self._closing)
+            failures = copy_to_peers(self.channel, task.seq, task.source, task.files, self.writer, self.peers,
+                                     self.storage_options, stop=lambda: self._closing)
         except Exception as e:  # noqa: BLE001 - a channel error, or a bug that left the ranks out of step
             self.broken = (f"the durable channel failed during the peer copy of {task.source} ({describe(e)}): "
                            "another rank's worker died or did not answer in time, or this rank could not "

@@ -1,35 +1,38 @@
-"""The peer copy of two tiers (``peer_copy``): each rank's files also on another host's fast tier.
+"""The peer copies of two tiers (``peer_copies``): each host's files also on K other hosts.
 
 With node-local fast tiers (an NVMe or ``/dev/shm`` per host, the same path on every host), a
-lost host takes its ranks' files with it. With ``peer_copy`` each rank's copier (the background
-thread of :mod:`solosave._src.tiers.durable`, on the durable channel) runs this stage first, for
-every save published on the fast tier, before the durable copy. The job spans two hosts (the
-only count ``peer_copy`` accepts), consecutive blocks of ``L = ranks_per_host`` ranks; rank ``r``
-sends to ``(r + L) % W`` (the same local rank on the other host) and receives from
-``(r - L) % W`` (the same rank). Who calls what, in order (every rank):
+lost host takes its ranks' files with it. With ``peer_copies=K`` each rank's copier (the
+background thread of :mod:`solosave._src.tiers.durable`, on the durable channel) runs this stage
+first, for every save published on the fast tier, before the durable copy. Hosts are consecutive
+blocks of ``L = ranks_per_host`` ranks; where each host's files go is
+:class:`~solosave._src.tiers.placement.PeerPlacement` (K other hosts, in K different failure
+domains when there are enough). Who calls what, in order (every rank):
 
 1. the coordinator posts the digest of the checkpoint's ``.metadata`` and the ``.metadata`` and
-   load index themselves on the job's store (keys, not collectives); every
-   other rank compares it with the ``.metadata`` it sees and removes one of an earlier save of
-   the same name (never an old ``.metadata`` beside new data); seeing the coordinator's own
-   from another host means the tier is shared, and no file is sent (each receiver tells its
-   sender, one byte);
-2. every rank: one :func:`~solosave._src.coordination.transfer.ring_pass` (its own files out,
-   its predecessor's in, written next to its own under the same names, each renamed into place
-   once whole);
+   load index themselves on the job's store (keys, not collectives); every other rank compares
+   it with the ``.metadata`` it sees and removes one of an earlier save of the same name (never
+   an old ``.metadata`` beside new data); seeing the coordinator's own from another host means
+   the tier is shared, and no file is sent (each receiver tells its sender, one byte per round);
+2. every rank, rounds ``j = 1..K``: one :func:`~solosave._src.coordination.transfer.ring_pass`
+   (its own files to the same local rank of its host's j-th holder, the files of the host whose
+   j-th holder it is in, written next to its own under the same names, each renamed into place
+   once whole). Each round is a permutation of the hosts: every rank sends one stream and
+   receives one, with one chunk in memory each way;
 3. every rank: **one** 8-byte ``all_reduce`` of the status word (ok / failed, this stage's
-   identity); then the coordinator drops the store keys (every reader has read them);
-4. agreed ok: the first rank of the other host publishes the load index and
+   identity), whatever K and the number of hosts; then the coordinator drops the store keys;
+4. agreed ok: the first rank of each host writes the ``.solosave-peers`` sidecar (the layout, for
+   a later repair) and, on every host but the coordinator's, publishes the load index and
    ``.metadata`` on its fast tier, ``.metadata`` last (a failure there is reported on that rank
    only); agreed failed: every rank all-gathers the errors (failure path only).
 
-Each host then holds the whole checkpoint, so either one alone restores it
-(:mod:`solosave._src.tiers.peer_repair`).
+Each host then holds its own ranks' files, those of the hosts it keeps copies of, and the
+``.metadata``; a lost host's files are on K others (:mod:`solosave._src.tiers.peer_repair`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -40,37 +43,38 @@ from solosave._src.coordination.transfer import PEER_FILE, Outgoing, open_whole,
 from solosave._src.core.errors import describe
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.storage.registry import storage_for
+from solosave._src.tiers.placement import PeerLayout
 from solosave._src.write.publish import commit_checkpoint, unpublish
 from solosave._src.write.writer import FileWriter
 
+#: The sidecar that records a checkpoint's peer layout on each host (``PeerLayout.describe``).
+PEERS_FILE = ".solosave-peers"
 
-def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, ...], writer: FileWriter,
-                 ranks_per_host: int, storage_options: Mapping[str, Any] | None = None,
-                 stop: Callable[[], bool] | None = None) -> dict[int, str]:
+
+def copy_to_peers(channel: Channel, seq: int, directory: str, files: tuple[str, ...], writer: FileWriter,
+                  layout: PeerLayout, storage_options: Mapping[str, Any] | None = None,
+                  stop: Callable[[], bool] | None = None) -> dict[int, str]:
     """Run the peer stage of save ``seq`` (published at ``directory``) on this rank; returns the
     failures (per rank; the same on every rank except a host's own ``.metadata`` publication).
     Raises ``ChannelError`` / ``OutOfStep`` (the channel broke); any other error of this rank is
     reported through the status word, in step with the others."""
-    ch, L, W = channel, ranks_per_host, channel.world_size
-    nxt, prv = (ch.rank + L) % W, (ch.rank - L) % W
+    ch, L = channel, layout.ranks_per_host
     st = storage_for(directory, storage_options)
     key = f"peer-metadata/{seq}"
     publish, shared, error = _share_metadata(ch, st, directory, key, L)
-    # the receiver tells its sender whether it sees the sender's files already (a shared tier)
-    receiver_has_them = ch.exchange(prv, b"1" if shared else b"0", nxt, 1) == b"1"
-    outgoing = [] if shared or receiver_has_them else [Outgoing(rel, st, st.join(directory, rel)) for rel in files]
-
-    def sink(name: str, size: int) -> Any:
-        if not name.startswith(f"__{prv}_"):
-            raise ValueError(f"rank {prv} sent {name!r}, not one of its data files")
-        return open_whole(st, st.join(directory, name), writer.open, writer.fsync)
-
     try:
         st.makedirs(directory)
     except OSError as e:
         error = error or f"creating {directory} failed: {describe(e)}"
-    res = ring_pass(ch, nxt, prv, outgoing, sink, stop, max_bytes=st.free_bytes(directory))
-    error = error or res.error
+    for round_ in range(1, layout.copies + 1):
+        nxt, prv = layout.send_to(ch.rank, round_), layout.recv_from(ch.rank, round_)
+        # the receiver tells its sender whether it sees the sender's files already (a shared tier)
+        receiver_has_them = ch.exchange(prv, b"1" if shared else b"0", nxt, 1) == b"1"
+        outgoing = ([] if shared or receiver_has_them
+                    else [Outgoing(rel, st, st.join(directory, rel)) for rel in files])
+        res = ring_pass(ch, nxt, prv, outgoing, _sink_for(st, directory, prv, writer), stop,
+                        max_bytes=st.free_bytes(directory))
+        error = error or res.error
     agreed = ch.agree(Status.OK if error is None else Status.FAILED, save_identity(seq, "peer:" + directory),
                       f"peer copy of save {seq}", error=error)
     if ch.is_coordinator:
@@ -78,22 +82,38 @@ def copy_to_peer(channel: Channel, seq: int, directory: str, files: tuple[str, .
         ch.drop_value(key + "/digest")
     if agreed.status is not Status.OK:
         return agreed.failures
-    if publish is not None:
+    if ch.rank % L == 0 and not shared:
         try:
-            commit_checkpoint(st, directory, publish[METADATA_FILE], publish.get(INDEX_FILE), fsync=writer.fsync)
+            st.commit(st.join(directory, PEERS_FILE), json.dumps(layout.describe()).encode(), fsync=writer.fsync)
+            if publish is not None:
+                commit_checkpoint(st, directory, publish[METADATA_FILE], publish.get(INDEX_FILE),
+                                  fsync=writer.fsync)
         except OSError as e:
             return {ch.rank: f"publishing {METADATA_FILE} on this host's fast tier failed: {describe(e)}"}
     return {}
+
+
+def _sink_for(st: Any, directory: str, sender: int, writer: FileWriter) -> Callable[[str, int], Any]:
+    """Where the files of rank ``sender`` go: beside this rank's own, each renamed into place
+    once whole; a name that is not one of ``sender``'s data files is refused."""
+
+    def sink(name: str, size: int) -> Any:
+        if not name.startswith(f"__{sender}_"):
+            raise ValueError(f"rank {sender} sent {name!r}, not one of its data files")
+        return open_whole(st, st.join(directory, name), writer.open, writer.fsync)
+
+    return sink
 
 
 def _share_metadata(ch: Channel, st: Any, directory: str, key: str,
                     ranks_per_host: int) -> tuple[dict[str, bytes] | None, bool, str | None]:
     """Step 1: the coordinator posts its ``.metadata``'s digest and the files themselves; every
     other rank compares the digest with the ``.metadata`` it sees. Returns what this rank
-    publishes after the stage (``None``: nothing; only the first rank of the other host does),
-    whether this rank sees the coordinator's ``.metadata`` from the other host (a fast tier
-    shared with it: the files are there already), and the error. Two hosts (the only count
-    ``peer_copy`` accepts): each then holds every file, so its ``.metadata`` names no missing one."""
+    publishes after the stage (``None``: nothing; only the first rank of each host other than
+    the coordinator's does), whether this rank sees the coordinator's ``.metadata`` from another
+    host (a fast tier shared with it: the files are there already), and the error. With more
+    than K + 1 hosts a host's ``.metadata`` names files that only other hosts hold: the
+    checkpoint is whole across the hosts, and a lost host is rebuilt from them."""
     error: str | None = None
     if ch.is_coordinator:
         try:
@@ -149,4 +169,4 @@ def _stale_metadata_removed(st: Any, directory: str, digest: str) -> tuple[bool,
     return False, None
 
 
-__all__ = ["copy_to_peer"]
+__all__ = ["PEERS_FILE", "copy_to_peers"]

@@ -1,35 +1,42 @@
-"""Restoring a host's fast tier from its peers (checkpoints saved with ``peer_copy``).
+"""Restoring hosts' fast tiers from their peers (checkpoints saved with ``peer_copies``).
 
-The peer copy (``tiers/peer_copy.py``) leaves, on the fast tier of host ``h`` (ranks ``h*L`` to
-``h*L+L-1``), the files of its own ranks and of host ``h-1``, and the ``.metadata``. When a host
-lost them (a replaced node, a wiped ``/dev/shm``), its ranks get them back from the two hosts
-that hold them, over the network, before the restore chooses a tier; the durable tier is not
-read. Who calls what (every rank of the process group, alone otherwise: nothing to do):
+The peer copies (``tiers/peer_copy.py``) leave, on the fast tier of host ``h``, the files of its
+own ranks and of the hosts it keeps copies of (``PeerPlacement.keeps``), the ``.metadata``, the
+load index and the ``.solosave-peers`` sidecar (the layout). When hosts lost them (replaced
+nodes, a wiped ``/dev/shm``), their ranks get them back over the network from whichever
+surviving hosts hold them, before the restore chooses a tier; the durable tier is not read.
+Who calls what (every rank of the process group, alone otherwise: nothing to do):
 
 * :func:`restore_from_peers` (``integrations.find_restore_point(..., ranks_per_host=)`` with the
   steps under the save directory, ``solosave.load(..., ranks_per_host=)`` with the one
-  checkpoint) runs the two below. :func:`repairable_step`: every rank lists the steps complete
-  on its fast tier -> **one** ``all_gather_object`` of those
-  lists (restore time only; never in a save) -> the newest step that every host either holds
-  or can get back (both of its neighbour hosts hold it), the same on every rank.
-* :func:`repair_from_peers` for that step, when some host misses it: two
-  :func:`~solosave._src.coordination.transfer.ring_pass` es (to ``r-L``: the files of ``r-L``
-  that this host keeps as its peer copies, and, from a host's first rank, the load index and
-  ``.metadata``; to ``r+L``: this rank's own files), only hosts that hold the step sending and
-  only hosts that miss it receiving -> one 8-byte ``all_reduce`` (every file written) -> the
-  first rank of each repaired host publishes the load index and ``.metadata``, ``.metadata``
-  last -> one 8-byte ``all_reduce`` (so no rank looks before it is there).
+  checkpoint): every rank surveys the steps on its fast tier (:func:`survey`) -> **one**
+  ``all_gather_object`` of the surveys (restore time only; never in a save) ->
+  :func:`plan_repair`, the same on every rank: the newest step of which every rank's files are
+  held, whole, by some host that has it published with the same ``save_id``, and for each host
+  that misses part of what it should keep, a transfer of each missing rank's files from one of
+  their holders (the least loaded so far: the transfers spread over the survivors) ->
+  :func:`move_files`: the transfers in rounds in which every rank sends at most one stream and
+  receives at most one -> one 8-byte ``all_reduce`` (every file written) -> the first rank of
+  each repaired host writes the sidecar and publishes the load index and ``.metadata``,
+  ``.metadata`` last -> one 8-byte ``all_reduce`` (so no rank looks before it is there).
+* :func:`fetch_for_load` (``solosave.load`` of a fast copy with ``ranks_per_host``): the files
+  this rank's load reads that its host does not hold (with more than K + 1 hosts, values kept by
+  one rank, such as replicated tensors, sit on K + 1 hosts only) -> one ``all_gather_object`` of
+  what each rank misses and what its host holds -> :func:`move_files` from the holders -> one
+  8-byte ``all_reduce``. The load then reads its host's fast tier only.
 
-The restore then chooses a tier as without peers (``tiers/choice.py``): a repair that did not
-complete leaves the step incomplete on that host, and the durable copy is read.
+A step that no set of survivors holds whole is not repaired: the tier choice that follows finds
+it incomplete and reads the durable copy.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -37,12 +44,20 @@ import torch.distributed as dist
 from solosave._src.coordination.channel import CollectiveCounter, DistChannel
 from solosave._src.coordination.rendezvous import new_gloo_group
 from solosave._src.coordination.transfer import PEER_FILE, Outgoing, open_whole, ring_pass
-from solosave._src.core.errors import ChannelError, describe
+from solosave._src.core.errors import ChannelError, IndexUnusable, SolosaveError, describe
 from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
+from solosave._src.formats.metadata_check import loads_metadata
+from solosave._src.index.reader import LoadIndex
+from solosave._src.storage.base import Storage
 from solosave._src.storage.registry import storage_for
+from solosave._src.tiers.peer_copy import PEERS_FILE
+from solosave._src.tiers.placement import PeerLayout, owner_of
 from solosave._src.write.publish import commit_checkpoint, unpublish
 
 log = logging.getLogger("solosave")
+
+#: The files a host's first rank publishes after a repair, in this order.
+_META = (INDEX_FILE, METADATA_FILE)
 
 
 def peer_channel(process_group: Any, ranks_per_host: int, timeout: float = 600.0) -> DistChannel:
@@ -62,76 +77,230 @@ def peer_channel(process_group: Any, ranks_per_host: int, timeout: float = 600.0
     return DistChannel(new_gloo_group(process_group, CollectiveCounter(), timeout), timeout=timeout)
 
 
-def repairable_step(complete: Mapping[int, str], ranks_per_host: int,
-                    channel: DistChannel) -> tuple[int, str, list[bool]] | None:
-    """``complete``: this rank's ``{step: name}`` complete on its fast tier. Returns the newest
-    step every host holds or can get back from its neighbours, as ``(step, name, which ranks
-    hold it)``, or ``None``; the same on every rank (see the module docstring)."""
-    lists = channel.all_gather_object(sorted(complete.items()))
-    return newest_restorable([dict(items) for items in lists], ranks_per_host)
+# -- what a host holds -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepView:
+    """What one rank finds of one step on its fast tier (gathered from every rank)."""
+
+    name: str
+    published: bool = False
+    save_id: str | None = None
+    #: Bytes of each rank's data files, for the ranks whose files are all here and whole.
+    owners: dict[int, int] = field(default_factory=dict)
+    #: The ``.solosave-peers`` sidecar (``PeerLayout.describe``), if any.
+    layout: dict | None = None
 
 
-def newest_restorable(held: Sequence[Mapping[int, str]], ranks_per_host: int) -> tuple[int, str, list[bool]] | None:
-    """:func:`repairable_step`'s choice from every rank's ``{step: name}`` (``held[r]``, rank
-    order): the newest step that every host holds, or can get back because both of its
-    neighbour hosts hold it."""
-    L = ranks_per_host
-    hosts = len(held) // L
-    for step in sorted({s for d in held for s in d}, reverse=True):
-        host_has = [all(step in held[r] for r in range(h * L, h * L + L)) for h in range(hosts)]
-        if all(has or (host_has[(h - 1) % hosts] and host_has[(h + 1) % hosts]) for h, has in enumerate(host_has)):
-            name = next(d[step] for d in held if step in d)
-            return step, name, [step in d for d in held]
+def survey(directory: str, st: Storage) -> StepView:
+    """This rank's :class:`StepView` of ``directory``. Never raises: what cannot be read is not held."""
+    name = st.basename(directory)
+    try:
+        sizes = st.sizes(directory)
+    except (OSError, ValueError):
+        return StepView(name)
+    if METADATA_FILE not in sizes:
+        return StepView(name)
+    files, ends, save_id = _listed_files(directory, st)
+    if files is None:
+        return StepView(name)
+    owners: dict[int, int] = {}
+    whole: dict[int, bool] = {}
+    for i, f in enumerate(files):
+        m = owner_of(f)
+        if m is None:
+            continue
+        need = ends[i] if ends is not None else 0
+        whole[m] = whole.get(m, True) and sizes.get(f, -1) >= need
+        owners[m] = owners.get(m, 0) + max(sizes.get(f, 0), 0)
+    layout = None
+    if PEERS_FILE in sizes:
+        try:
+            layout = json.loads(st.read(st.join(directory, PEERS_FILE)))
+            PeerLayout.from_description(layout)
+        except (OSError, ValueError):
+            layout = None
+    return StepView(name, True, save_id, {o: b for o, b in owners.items() if whole[o]}, layout)
+
+
+def _listed_files(directory: str, st: Storage) -> tuple[list[str] | None, list[int] | None, str | None]:
+    """The data files the checkpoint names (from its load index, with their ends, else from
+    ``.metadata``) and its ``save_id``; ``(None, None, None)`` if neither can be read."""
+    try:
+        idx = LoadIndex.open(directory, st)
+    except (IndexUnusable, OSError, ValueError):
+        idx = None
+    if idx is not None:
+        try:
+            ends = list(idx.file_ends) if idx.file_ends is not None else None
+            return list(idx.files), ends, str(idx.header["save_id"])
+        except (KeyError, ValueError, TypeError):
+            pass
+        finally:
+            idx.close()
+    where = st.join(directory, METADATA_FILE)
+    try:
+        md = loads_metadata(st.read(where), where)
+    except (OSError, ValueError, SolosaveError):
+        return None, None, None
+    names = sorted({getattr(info, "relative_path", "") for info in (md.storage_data or {}).values()})
+    save_id = getattr(md.storage_meta, "save_id", None)
+    return [n for n in names if n], None, str(save_id) if save_id else None
+
+
+# -- the plan, the same on every rank --------------------------------------------------------------
+@dataclass(frozen=True)
+class Transfer:
+    """Files that rank ``src`` sends to rank ``dst``: rank ``owner``'s data files, or (``owner``
+    ``None``) the load index and ``.metadata``, or the named ``files``."""
+
+    src: int
+    dst: int
+    owner: int | None = None
+    files: tuple[str, ...] = ()
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class RepairPlan:
+    """:func:`plan_repair`'s answer: the step, its name, the transfers, and the hosts repaired."""
+
+    step: int
+    name: str
+    layout: PeerLayout
+    transfers: tuple[Transfer, ...]
+    repaired: frozenset[int]
+
+
+def plan_repair(views: Sequence[Mapping[int, StepView]], ranks_per_host: int) -> RepairPlan | None:
+    """The newest step that the hosts can restore from each other (see the module docstring):
+    ``views[r]``, rank ``r``'s view of each step. ``None`` when no step is held whole."""
+    W, L = len(views), ranks_per_host
+    hosts = W // L
+    for step in sorted({s for v in views for s in v}, reverse=True):
+        host_view = [views[h * L].get(step) for h in range(hosts)]
+        good = [v is not None and v.published and v.save_id is not None for v in host_view]
+        ids = {v.save_id for v, ok in zip(host_view, good) if ok and v is not None}
+        if len(ids) != 1:
+            continue  # nowhere published, or two checkpoints under one name: not from peers
+        layout = _layout_of([v for v, ok in zip(host_view, good) if ok and v is not None], W, L)
+        if layout is None:
+            continue
+        plan = _transfers(step, host_view, good, layout)
+        if plan is not None:
+            return plan
     return None
 
 
-def repair_from_peers(directory: str, holders: Sequence[bool], ranks_per_host: int, channel: DistChannel,
-                      storage_options: Mapping[str, Any] | None = None) -> str | None:
-    """Give every host that misses ``directory`` (``holders[r]``: rank ``r`` finds it complete)
-    its files back from its neighbour hosts (see the module docstring). Returns this rank's
-    error (``None``: nothing went wrong here); whether the step is complete everywhere is for
-    the tier choice that follows to find out. A missing host's ``.metadata`` is removed first,
-    and every file it receives is renamed into place once whole: a repair that fails leaves
-    no file half-written and nothing published."""
-    ch = channel
-    W, L, r = ch.world_size, ranks_per_host, ch.rank
-    missing = {k // L for k, ok in enumerate(holders) if not ok}
-    if not missing:
-        return None
-    st = storage_for(directory, storage_options)
-    directory = st.normalize(directory)
-    here_missing = r // L in missing
-    kept: dict[str, bytes] = {}
-    error = None
-    if here_missing:
-        try:
-            st.makedirs(directory)
-            unpublish(st, directory)
-        except OSError as e:
-            error = f"preparing {directory} failed: {describe(e)}"
-
-    def sink(name: str, size: int) -> Any:
-        if not here_missing:
-            raise ValueError(f"{name} was sent to a host that holds the checkpoint")
-        if name in (METADATA_FILE, INDEX_FILE):
-            return _Kept(kept, name)
-        return open_whole(st, st.join(directory, name), st.open_data)
-
-    nxt, prv = (r + L) % W, (r - L) % W
-    for to, frm, rank_files, with_metadata in ((prv, nxt, prv, r % L == 0), (nxt, prv, r, False)):
-        out: list[Outgoing] = []
-        if not here_missing and to // L in missing:
+def _layout_of(published: Sequence[StepView], world: int, ranks_per_host: int) -> PeerLayout | None:
+    for v in published:
+        if v.layout is not None:
             try:
-                out = _files_of(st, directory, rank_files, with_metadata)
+                layout = PeerLayout.from_description(v.layout)
+            except ValueError:
+                continue
+            if layout.ranks_per_host == ranks_per_host and layout.placement.hosts * ranks_per_host == world:
+                return layout
+    try:  # saved before the sidecar: one copy (two hosts)
+        return PeerLayout.of(world, ranks_per_host, 1)
+    except ValueError:
+        return None
+
+
+def _transfers(step: int, host_view: Sequence[StepView | None], good: Sequence[bool],
+               layout: PeerLayout) -> RepairPlan | None:
+    """The transfers that give every host what it should keep of ``step``, or ``None`` when
+    some rank's files are held by no host."""
+    L, W = layout.ranks_per_host, layout.placement.hosts * layout.ranks_per_host
+    holders: dict[int, list[int]] = {o: [h for h, v in enumerate(host_view) if good[h] and v is not None
+                                         and o in v.owners] for o in range(W)}
+    if any(not hs for hs in holders.values()):
+        return None
+    sizes = {o: max(v.owners[o] for v in (host_view[h] for h in hs) if v is not None) for o, hs in holders.items()}
+    load = [0] * layout.placement.hosts
+    out: list[Transfer] = []
+    repaired = set()
+    for h in range(layout.placement.hosts):
+        keeps = [o for k in layout.placement.keeps(h) for o in range(k * L, k * L + L)]
+        missing = [o for o in keeps if h not in holders[o]]
+        if not missing and good[h]:
+            continue
+        repaired.add(h)
+        for o in missing:
+            src = min(holders[o], key=lambda s: (load[s], s))
+            load[src] += sizes[o]
+            out.append(Transfer(layout.rank_on(src, o), layout.rank_on(h, o), o, size=sizes[o]))
+        if not good[h]:
+            src = min((s for s in range(len(good)) if good[s]), key=lambda s: (load[s], s))
+            out.append(Transfer(src * L, h * L, None, _META))
+    name = next(v.name for v in host_view if v is not None)
+    return RepairPlan(step, name, layout, tuple(out), frozenset(repaired))
+
+
+def schedule(transfers: Iterable[Transfer]) -> list[list[Transfer]]:
+    """The transfers in rounds in which each rank sends at most one and receives at most one
+    (largest first; the same on every rank)."""
+    rounds: list[list[Transfer]] = []
+    busy: list[tuple[set[int], set[int]]] = []
+    for t in sorted(transfers, key=lambda t: (-t.size, t.dst, t.src, t.owner if t.owner is not None else -1,
+                                              t.files)):
+        i = next((k for k, (senders, receivers) in enumerate(busy)
+                  if t.src not in senders and t.dst not in receivers), len(rounds))
+        if i == len(rounds):
+            rounds.append([])
+            busy.append((set(), set()))
+        rounds[i].append(t)
+        busy[i][0].add(t.src)
+        busy[i][1].add(t.dst)
+    return rounds
+
+
+# -- moving the files ------------------------------------------------------------------------------
+def move_files(channel: DistChannel, st: Storage, directory: str, transfers: Iterable[Transfer],
+               kept: dict[str, bytes]) -> str | None:
+    """Every rank: run the transfers in :func:`schedule`'s rounds (only the ranks of a transfer
+    take part in it). Received data files are renamed into place once whole; the load index and
+    ``.metadata`` are kept in ``kept`` (published by the caller). Returns this rank's first error."""
+    ch, me = channel, channel.rank
+    error = None
+    for round_ in schedule(transfers):
+        out = next((t for t in round_ if t.src == me), None)
+        into = next((t for t in round_ if t.dst == me), None)
+        if out is None and into is None:
+            continue
+        outgoing: list[Outgoing] = []
+        if out is not None:
+            try:
+                outgoing = _outgoing(st, directory, out)
             except OSError as e:  # nothing sent; the pass still runs, in step
                 error = error or f"listing {directory} failed: {describe(e)}"
-        res = ring_pass(ch, to, frm, out, sink, max_bytes=st.free_bytes(directory))
+        res = ring_pass(ch, None if out is None else out.dst, None if into is None else into.src, outgoing,
+                        _sink(st, directory, into, kept), max_bytes=st.free_bytes(directory))
         error = error or res.error
-    ok = not ch.agree_ok(error)
-    if ok and here_missing and r % L == 0:
-        error = _publish(st, directory, kept)
-    ch.agree_ok(error)
     return error
+
+
+def _outgoing(st: Storage, directory: str, t: Transfer) -> list[Outgoing]:
+    if t.owner is None:
+        names = set(st.listdir(directory))
+        return [Outgoing(n, st, st.join(directory, n)) for n in t.files if n in names]
+    return [Outgoing(n, st, st.join(directory, n)) for n in sorted(st.listdir(directory))
+            if n.startswith(f"__{t.owner}_") and PEER_FILE.match(n)]
+
+
+def _sink(st: Storage, directory: str, t: Transfer | None, kept: dict[str, bytes]) -> Any:
+    def sink(name: str, size: int) -> Any:
+        if t is None:
+            raise ValueError(f"{name} was sent to a rank that expects nothing")
+        if t.owner is None:
+            if name not in t.files:
+                raise ValueError(f"rank {t.src} sent {name!r}, not one of {list(t.files)}")
+            if name in _META:
+                return _Kept(kept, name)
+        elif not name.startswith(f"__{t.owner}_"):
+            raise ValueError(f"rank {t.src} sent {name!r}, not one of rank {t.owner}'s data files")
+        return open_whole(st, st.join(directory, name), st.open_data)
+
+    return sink
 
 
 class _Kept:
@@ -150,46 +319,62 @@ class _Kept:
         self._buf = io.BytesIO()
 
 
-def _files_of(st: Any, directory: str, rank: int, with_metadata: bool) -> list[Outgoing]:
-    """Rank ``rank``'s data files (and sidecars) under ``directory`` on this host, and its load
-    index and ``.metadata`` if asked for."""
-    names = st.listdir(directory)
-    out = [Outgoing(n, st, st.join(directory, n)) for n in sorted(names)
-           if n.startswith(f"__{rank}_") and PEER_FILE.match(n)]
-    if with_metadata:
-        out += [Outgoing(n, st, st.join(directory, n)) for n in (INDEX_FILE, METADATA_FILE) if n in names]
-    return out
+# -- the protocols ---------------------------------------------------------------------------------
+def repair_from_peers(plan: RepairPlan, directory: str, channel: DistChannel, st: Storage) -> str | None:
+    """Every rank: carry out ``plan`` for ``directory`` (see the module docstring). Returns this
+    rank's error (``None``: nothing went wrong here); whether the step is complete everywhere is
+    for the tier choice that follows to find out. A repaired host's ``.metadata`` is removed
+    first, and every file it receives is renamed into place once whole: a repair that fails
+    leaves no file half-written and nothing published."""
+    ch, L = channel, plan.layout.ranks_per_host
+    here = ch.rank // L in plan.repaired
+    error = None
+    if here:
+        try:
+            st.makedirs(directory)
+            unpublish(st, directory)
+        except OSError as e:
+            error = f"preparing {directory} failed: {describe(e)}"
+    kept: dict[str, bytes] = {}
+    error = move_files(ch, st, directory, plan.transfers, kept) or error
+    ok = not ch.agree_ok(error)
+    if ok and here and ch.rank % L == 0:
+        error = _publish(st, directory, kept, plan.layout)
+    ch.agree_ok(error)
+    return error
 
 
-def _publish(st: Any, directory: str, kept: Mapping[str, bytes]) -> str | None:
-    if METADATA_FILE not in kept:
-        return f"no {METADATA_FILE} reached this host for {directory}"
+def _publish(st: Storage, directory: str, kept: Mapping[str, bytes], layout: PeerLayout) -> str | None:
     try:
-        commit_checkpoint(st, directory, kept[METADATA_FILE], kept.get(INDEX_FILE))
+        st.commit(st.join(directory, PEERS_FILE), json.dumps(layout.describe()).encode())
+        if METADATA_FILE in kept:
+            commit_checkpoint(st, directory, kept[METADATA_FILE], kept.get(INDEX_FILE))
+        elif not st.exists(st.join(directory, METADATA_FILE)):
+            return f"no {METADATA_FILE} reached this host for {directory}"
     except OSError as e:
         return f"publishing {METADATA_FILE} in {directory} failed: {describe(e)}"
     return None
 
 
-def restore_from_peers(save_dir: str | os.PathLike, complete: Mapping[int, str], ranks_per_host: int,
+def restore_from_peers(save_dir: str | os.PathLike, steps: Mapping[int, str], ranks_per_host: int,
                        process_group: Any = None, storage_options: Mapping[str, Any] | None = None) -> None:
-    """Every rank: bring the newest step under ``save_dir`` that every host holds or can get
-    back (``complete``: this rank's ``{step: name}`` complete on its fast tier) to the hosts
-    that miss it: :func:`repairable_step`, then :func:`repair_from_peers`. Never raises for a
-    repair that failed (logged, also an error between ranks): the tier choice that follows finds
-    the step incomplete there and reads the durable copy, or fails in its own collective."""
+    """Every rank: bring the newest step under ``save_dir`` that the hosts hold between them
+    (``steps``: this rank's ``{step: name}`` of the steps it lists on its fast tier) to the
+    hosts that miss part of it (see the module docstring). Never raises for a repair that
+    failed (logged, also an error between ranks): the tier choice that follows finds the step
+    incomplete there and reads the durable copy, or fails in its own collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     channel = peer_channel(process_group, ranks_per_host)
+    st = storage_for(save_dir, storage_options)
     step = None
     try:
-        found = repairable_step(complete, ranks_per_host, channel)
-        if found is None:
+        mine = {s: survey(st.join(os.fspath(save_dir), n), st) for s, n in steps.items()}
+        plan = plan_repair(channel.all_gather_object(mine), ranks_per_host)
+        if plan is None or not plan.transfers:
             return
-        step, name, holders = found
-        st = storage_for(save_dir, storage_options)
-        error = repair_from_peers(st.join(os.fspath(save_dir), name), holders, ranks_per_host, channel,
-                                  storage_options)
+        step = plan.step
+        error = repair_from_peers(plan, st.normalize(st.join(os.fspath(save_dir), plan.name)), channel, st)
     except ChannelError as e:
         error = f"between ranks: {e}"
     if error is not None:
@@ -197,4 +382,55 @@ def restore_from_peers(save_dir: str | os.PathLike, complete: Mapping[int, str],
                     "the newest step" if step is None else f"step {step}", error)
 
 
-__all__ = ["newest_restorable", "peer_channel", "repair_from_peers", "repairable_step", "restore_from_peers"]
+def fetch_for_load(directory: str, needed: Iterable[str], ranks_per_host: int, process_group: Any = None,
+                   storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """Every rank: bring to this rank's host the data files of ``directory`` that its load reads
+    (``needed``) and the host does not hold, from hosts that do (see the module docstring).
+    Returns this rank's error; a file no host holds is left missing (the load then fails and,
+    with two tiers, reads the durable copy)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    channel = peer_channel(process_group, ranks_per_host)
+    st = storage_for(directory, storage_options)
+    try:
+        sizes = st.sizes(directory)
+    except (OSError, ValueError):
+        sizes = {}
+    missing = sorted(n for n in set(needed) if n not in sizes and PEER_FILE.match(n))
+    held = {n: s for n, s in sizes.items() if owner_of(n) is not None}
+    try:
+        gathered = channel.all_gather_object((missing, held if channel.rank % ranks_per_host == 0 else None))
+        transfers = _fetches(gathered, ranks_per_host)
+        error = move_files(channel, st, directory, transfers, {}) if transfers else None
+        if transfers:
+            channel.agree_ok(error)
+    except ChannelError as e:
+        return f"between ranks: {e}"
+    return error
+
+
+def _fetches(gathered: Sequence[tuple[list[str], dict[str, int] | None]], ranks_per_host: int) -> list[Transfer]:
+    """The transfers of :func:`fetch_for_load`: each file a host misses, once per host, to the
+    lowest of its ranks that needs it, from the least loaded host that holds it."""
+    L = ranks_per_host
+    hosts = len(gathered) // L
+    held = [gathered[h * L][1] or {} for h in range(hosts)]
+    load = [0] * hosts
+    out: list[Transfer] = []
+    for h in range(hosts):
+        wanted: dict[str, int] = {}
+        for r in range(h * L, h * L + L):
+            for n in gathered[r][0]:
+                wanted.setdefault(n, r)
+        for n, dst in sorted(wanted.items()):
+            sources = [s for s in range(hosts) if s != h and n in held[s]]
+            if not sources:
+                continue
+            src = min(sources, key=lambda s: (load[s], s))
+            load[src] += held[src][n]
+            out.append(Transfer(src * L + dst % L, dst, None, (n,), held[src][n]))
+    return out
+
+
+__all__ = ["RepairPlan", "StepView", "Transfer", "fetch_for_load", "move_files", "peer_channel", "plan_repair",
+           "repair_from_peers", "restore_from_peers", "schedule", "survey"]
