@@ -25,7 +25,9 @@ import bisect
 import contextlib
 import itertools
 import json
+import queue
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,23 +152,99 @@ def _move(channel: Channel, send_to: int | None, recv_from: int | None, out_chun
           incoming: list[tuple[str, int]], sinks: list[Any], res: PassResult, files: list[tuple[str, int]],
           chunk: int, stop: Callable[[], bool] | None, write_error: str | None) -> str | None:
     """Step 2: the chunks both ways. Returns the first write error (the pass goes on after it,
-    dropping what it receives, to stay in step)."""
+    dropping what it receives, to stay in step). The next outgoing chunk is read, and the last
+    received one written, on threads of their own while a message is in flight (at most two
+    chunks each way in memory): the file I/O overlaps the network instead of following it."""
     steps = max(len(in_plan), sum(-(-size // chunk) for _, size in files))
-    for step in range(steps):
-        if stop is not None and stop():
-            raise InterruptedError("the peer copy was stopped (the checkpointer is closing)")
-        out = next(out_chunks, None)
-        want = in_plan[step] if step < len(in_plan) else None
-        data = channel.exchange(send_to if out else None, out, recv_from if want else None, want[1] if want else 0)
-        res.sent_bytes += len(out or b"")
-        if want is not None and data is not None:
-            res.received_bytes += len(data)
-            if write_error is None:
+    with _Ahead(out_chunks) as ahead, _Behind(sinks, incoming, write_error) as behind:
+        for step in range(steps):
+            if stop is not None and stop():
+                raise InterruptedError("the peer copy was stopped (the checkpointer is closing)")
+            out = ahead.next()
+            want = in_plan[step] if step < len(in_plan) else None
+            data = channel.exchange(send_to if out else None, out, recv_from if want else None,
+                                    want[1] if want else 0)
+            res.sent_bytes += len(out or b"")
+            if want is not None and data is not None:
+                res.received_bytes += len(data)
+                behind.write(want[0], data)
+        return behind.finish()
+
+
+class _Ahead:
+    """The outgoing chunks, each read on a thread while the previous one is sent (one ahead)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._box: queue.Queue[bytes | None] = queue.Queue(maxsize=1)
+        self._closed = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(target=self._run, name="solosave-peer-read", daemon=True)
+
+    def __enter__(self) -> _Ahead:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        for item in itertools.chain(self._chunks, [None]):
+            while not self._closed.is_set():
                 try:
-                    sinks[want[0]].write(data)
+                    self._box.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item is None or self._closed.is_set():
+                return
+
+    def next(self) -> bytes | None:
+        """The next chunk; ``None`` once they are all sent."""
+        if self._ended:
+            return None
+        item = self._box.get()
+        self._ended = item is None
+        return item
+
+    def __exit__(self, *exc: Any) -> None:
+        self._closed.set()
+        self._thread.join()
+
+
+class _Behind:
+    """Received chunks written to their sinks on a thread while the next one arrives (two
+    queued at most). The first write error is kept and what follows is dropped, in step."""
+
+    def __init__(self, sinks: list[Any], incoming: list[tuple[str, int]], error: str | None) -> None:
+        self._sinks, self._incoming, self.error = sinks, incoming, error
+        self._box: queue.Queue[tuple[int, bytes] | None] = queue.Queue(maxsize=2)
+        self._thread = threading.Thread(target=self._run, name="solosave-peer-write", daemon=True)
+        self._done = False
+
+    def __enter__(self) -> _Behind:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while (item := self._box.get()) is not None:
+            i, data = item
+            if self.error is None:
+                try:
+                    self._sinks[i].write(data)
                 except Exception as e:  # noqa: BLE001 - reported; the pass goes on to stay in step
-                    write_error = f"writing {incoming[want[0]][0]} failed: {describe(e)}"
-    return write_error
+                    self.error = f"writing {self._incoming[i][0]} failed: {describe(e)}"
+
+    def write(self, i: int, data: bytes) -> None:
+        self._box.put((i, data))
+
+    def finish(self) -> str | None:
+        """Wait for every queued write; the first write error."""
+        if not self._done:
+            self._done = True
+            self._box.put(None)
+            self._thread.join()
+        return self.error
+
+    def __exit__(self, *exc: Any) -> None:
+        self.finish()  # a pass cut short: the writes end before its sinks are abandoned
 
 
 def open_whole(storage: Storage, path: str, open_data: Callable[[str], Any], fsync: bool = True) -> Any:
