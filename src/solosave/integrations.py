@@ -393,10 +393,11 @@ class CheckpointManager:
             return None
         b = backend_for(point[1])
         on_fast_tier = b.dirname(b.normalize(point[1])) == b.normalize(self.save_dir)
-        fast = self._ranks_per_host if on_fast_tier else 0
-        load(state_dict, point[1], process_group=group, storage_options=self.storage_options,
-             **{"ranks_per_host": fast, **load_options})
-        return point
+        peers = {"ranks_per_host": self._ranks_per_host, "durable_root": self.durable_root} if (
+            on_fast_tier and self._ranks_per_host) else {}  # a fast copy that fails to load: the durable one
+        loaded = load(state_dict, point[1], process_group=group, storage_options=self.storage_options,
+                      **{**peers, **load_options})
+        return point[0], loaded
 
     def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle:
         """Save ``state_dict`` as step ``step``.

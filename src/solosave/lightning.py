@@ -115,6 +115,10 @@ class _SolosaveCheckpointing:
             raise TypeError(f"options must be a solosave.CheckpointerOptions, got {type(options).__name__}")
         if writer is not None and not isinstance(writer, FileWriter):
             raise TypeError(f"writer must be a solosave.FileWriter, got {type(writer).__name__}")
+        if options is not None and (options.peer_copy or options.peer_copies):
+            raise ValueError("the Lightning strategies do not take peer copies (peer_copy / peer_copies): Lightning "
+                             "saves last.ckpt again and again, and peer copies refuse to save over a checkpoint; "
+                             "use durable_root alone, or CheckpointManager in your own loop")
         self._options = options if options is not None else CheckpointerOptions()
         self._writer = writer
         self._publisher: Publisher | None = None
@@ -203,7 +207,7 @@ class _SolosaveCheckpointing:
         files = {META_FILE: _serialized(checkpoint)} if self.is_global_zero else None  # type: ignore[attr-defined]
         target = os.fspath(path)
         o = publisher.checkpointer.options
-        if o.durable_root or o.peer_copy or o.peer_copies:
+        if o.durable_root:
             # copies follow each save under its directory's name: written in place, as before
             # (the earlier checkpoint stays loadable on the durable tier while this one is saved)
             self._clear_destination(path)
@@ -258,9 +262,12 @@ class _SolosaveCheckpointing:
         """Every rank, every finished save: recorded under its destination's name; rank 0 removes
         what a failed one left beside it (nothing was published there; an error is logged)."""
         final = self._beside.pop(done.path, done.path)
+        removed = done.path in self._discarded
         self._discarded.discard(done.path)
         for held in self._held_removals.pop(done.path, []):  # removals that waited for this save
-            if done.error is None and self.is_global_zero:  # type: ignore[attr-defined]
+            if removed:
+                log.warning("solosave: keeping %s: the save meant to displace it (%s) was removed", held, final)
+            elif done.error is None and self.is_global_zero:  # type: ignore[attr-defined]
                 self._remove_now(held)
             elif done.error is not None:
                 log.warning("solosave: keeping %s: the save meant to displace it (%s) failed", held, final)

@@ -5,7 +5,7 @@ is never lost (the restore is at least as new); no worker process, staging buffe
 file of a published checkpoint is left; the trial ends within its bound.
 
 ``make test`` runs one trial per fault (seeds 0..8); ``make test-slow`` runs
-``SOLOSAVE_SOAK_TRIALS`` (default 90) seeded trials; ``SOLOSAVE_SOAK_SEED`` moves the seeds.
+``SOLOSAVE_SOAK_TRIALS`` (default 500) seeded trials; ``SOLOSAVE_SOAK_SEED`` moves the seeds.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_one_trial_per_fault(tmp_path, seed, case_log):
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 def test_randomized_fault_soak(tmp_path, case_log):
-    trials = int(os.environ.get("SOLOSAVE_SOAK_TRIALS", "90"))
+    trials = int(os.environ.get("SOLOSAVE_SOAK_TRIALS", "500"))
     base = int(os.environ.get("SOLOSAVE_SOAK_SEED", str(random.randrange(1 << 30))))
     t0 = time.monotonic()
     faults: dict[str, int] = {}

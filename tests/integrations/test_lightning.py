@@ -145,6 +145,9 @@ def test_bad_arguments_name_the_fix(tmp_path):
         solosave.lightning.ModelParallelStrategy(save_distributed_checkpoint=False)
     with pytest.raises(TypeError, match="options must be a solosave.CheckpointerOptions, got dict"):
         solosave.lightning.ModelParallelStrategy(options={"workers": 2})
+    with pytest.raises(ValueError, match="do not take peer copies.*use durable_root alone"):  # every save refused
+        solosave.lightning.FSDPStrategy(options=solosave.CheckpointerOptions(durable_root=str(tmp_path),
+                                                                             peer_copies=1, ranks_per_host=1))
     s = solosave.lightning.ModelParallelStrategy(options=solosave.CheckpointerOptions(workers=2))
     with pytest.raises(TypeError, match=r"CheckpointerOptions\(storage_options=...\)"):
         s.save_checkpoint({}, str(tmp_path / "c"), storage_options={"anon": True})

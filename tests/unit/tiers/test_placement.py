@@ -180,3 +180,52 @@ def test_a_load_fetches_each_missing_file_once_per_host_from_the_least_loaded_ho
     assert sorted((t.files, t.dst) for t in got) == [(("__2_0.distcp",), 1), (("__4_0.distcp",), 0)]
     assert {t.src // 2 for t in got} == {1, 2}  # spread: one from each holder
     assert all(isinstance(t, Transfer) and t.src % 2 == t.dst % 2 for t in got)
+
+
+def test_a_host_missing_only_some_files_keeps_its_metadata():
+    """Review finding: a published host that misses one copy gets that copy only; it is not
+    unpublished, and a wholly lost host's .metadata comes from a published host."""
+    layout = PeerLayout.of(4, 1, 1)
+    views = _views(layout, None, lost={3})
+    partial = layout.placement.keeps(1)[1]  # host 1 lost the copy it keeps
+    v = views[1][5]
+    views[1] = {5: StepView(v.name, True, v.save_id, {o: b for o, b in v.owners.items() if o != partial}, v.layout)}
+    plan = plan_repair(views, 1)
+    assert plan.repaired == {1, 3} and plan.rebuilt == {3}
+    assert [t.owner for t in plan.transfers if t.dst == 1] == [partial]  # that copy, and no .metadata
+    meta = [t for t in plan.transfers if t.owner is None]
+    assert len(meta) == 1 and meta[0].dst == 3 and meta[0].src != 3
+
+
+def test_stray_files_and_other_layouts_are_not_copies():
+    layout = PeerLayout.of(4, 1, 1)
+    views = _views(layout, None, lost={0})
+    # host 2 also has a stray file of rank 0 (another save's): not one of the files it keeps
+    stray = next(h for h in range(1, 4) if 0 not in {o for k in layout.placement.keeps(h) for o in (k,)})
+    v = views[stray][5]
+    views[stray] = {5: StepView(v.name, True, v.save_id, {**v.owners, 0: 100}, v.layout)}
+    plan = plan_repair(views, 1)
+    holder = layout.placement.holders(0)[0]
+    assert {t.src for t in plan.transfers if t.owner == 0} == {holder}
+    # sidecars of another world size: not restorable from peers (no made-up layout)
+    other = PeerLayout.of(8, 2, 1).describe()
+    views = [{s: StepView(x.name, x.published, x.save_id, x.owners, other) for s, x in v.items()}
+             for v in _views(layout, None, lost={0})]
+    assert plan_repair(views, 1) is None
+
+
+def test_complete_here_at_another_world_size_checks_every_file(tmp_path):
+    """Review finding: a rank beyond the saved hosts raised KeyError inside the tier choice."""
+    import json
+
+    from solosave._src.formats.dcp import METADATA_FILE
+    from solosave._src.storage.registry import storage_for
+    from solosave._src.tiers.choice import _kept_here
+    from solosave._src.tiers.peer_copy import PEERS_FILE
+
+    (tmp_path / PEERS_FILE).write_text(json.dumps(PeerLayout.of(4, 2, 1).describe()))
+    (tmp_path / METADATA_FILE).write_bytes(b"x")
+    st, names = storage_for(str(tmp_path)), {PEERS_FILE, METADATA_FILE}
+    assert _kept_here(st, str(tmp_path), names, (1, 4)) == {0, 1, 2, 3}  # 2 hosts, K=1: everything
+    assert _kept_here(st, str(tmp_path), names, (6, 8)) is None  # restored at 8 ranks: every file
+    assert _kept_here(st, str(tmp_path), names, (0, 2)) is None

@@ -110,9 +110,9 @@ class SetupAgreement(NamedTuple):
 # bit 0 set up here; bit 1 durable_root here, bit 2 none (after the AND, both 0: some ranks only);
 # bits 8-23 a 16-bit digest of the peer copies' layout (0: none), bits 24-39 its complement: equal
 # on every rank exactly when the AND gives back the value and its complement (two layouts with the
-# same digest pass: one chance in 65,536, and the copier's transfers then fail, bounded).
+# same digest pass: about one chance in 65,536, and the copier's transfers then fail, bounded).
 def encode_setup(ok: bool, durable: bool, peers: str | None) -> int:
-    code = 0 if peers is None else int.from_bytes(hashlib.sha256(peers.encode()).digest()[:2], "little") | 1
+    code = 0 if peers is None else int.from_bytes(hashlib.sha256(peers.encode()).digest()[:2], "little") or 1
     return int(ok) | (0b010 if durable else 0b100) | code << 8 | (~code & 0xFFFF) << 24
 
 

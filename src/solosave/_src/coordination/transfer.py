@@ -153,8 +153,9 @@ def _move(channel: Channel, send_to: int | None, recv_from: int | None, out_chun
           chunk: int, stop: Callable[[], bool] | None, write_error: str | None) -> str | None:
     """Step 2: the chunks both ways. Returns the first write error (the pass goes on after it,
     dropping what it receives, to stay in step). The next outgoing chunk is read, and the last
-    received one written, on threads of their own while a message is in flight (at most two
-    chunks each way in memory): the file I/O overlaps the network instead of following it."""
+    received ones written, on threads of their own while a message is in flight (a few chunks
+    each way in memory: one queued and one being read out, two queued and one being written in,
+    plus the message's own copies): the file I/O overlaps the network instead of following it."""
     steps = max(len(in_plan), sum(-(-size // chunk) for _, size in files))
     with _Ahead(out_chunks) as ahead, _Behind(sinks, incoming, write_error) as behind:
         for step in range(steps):
@@ -200,7 +201,13 @@ class _Ahead:
         """The next chunk; ``None`` once they are all sent."""
         if self._ended:
             return None
-        item = self._box.get()
+        while True:
+            try:
+                item = self._box.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("internal: the peer transfer's reading thread ended early") from None
         self._ended = item is None
         return item
 
@@ -308,9 +315,11 @@ class _ChunkReader:
                     got = 0
                     while got < want:
                         data = f.read(want - got)
-                        if not data:
-                            yield b"".join(parts) + bytes(want - got)
+                        if not data:  # the error is set before the padded chunk is handed over
+                            self.error = self.error or f"reading {o.path} failed: EOFError: {o.path} ended " \
+                                                       f"after {done + got} of {size} bytes"
                             done += want
+                            yield b"".join(parts) + bytes(want - got)
                             raise EOFError(f"{o.path} ended after {done - want + got} of {size} bytes")
                         parts.append(bytes(data))
                         got += len(data)

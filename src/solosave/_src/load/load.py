@@ -381,8 +381,12 @@ def _files_read(state_dict: dict[str, Any], directory: str, st: Storage) -> set[
         idx = LoadIndex.open(directory, st)
     except (IndexUnusable, OSError):
         idx = None
-    if idx is None:
-        return set()
+    if idx is None:  # every file .metadata names (unreadable: the load says why)
+        try:
+            md = parse_metadata(st.read(st.join(directory, METADATA_FILE)), directory)
+        except Exception:  # noqa: BLE001 - reported by the load itself
+            return set()
+        return {info.relative_path for info in (md.storage_data or {}).values()}
     try:
         planner = DefaultLoadPlanner()
         sd = {k: v.state_dict() if _is_stateful(v) else v for k, v in state_dict.items()}

@@ -54,11 +54,12 @@ Candidate = tuple[int, "str | None", "str | None"]
 
 
 def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
-                  rank: int | None = None) -> bool:
+                  place: tuple[int, int] | None = None) -> bool:
     """Whether this rank finds the checkpoint at ``path`` complete (see the module docstring).
     With peer copies on more hosts than copies + 1 (a ``.solosave-peers`` sidecar), a host keeps
-    only some ranks' files: given this ``rank``, only the files its host should keep are
-    checked. Never raises: an unreachable or missing copy is not complete."""
+    only some ranks' files: given ``place``, this ``(rank, world size)``, and the world size the
+    layout was saved at, only the files this rank's host should keep are checked (at another
+    world size, every file). Never raises: an unreachable or missing copy is not complete."""
     try:
         st = storage_for(path, storage_options)
         directory = st.normalize(path)
@@ -67,7 +68,7 @@ def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | 
             return False
         if INDEX_FILE not in names:
             return True
-        keep = _kept_here(st, directory, names, rank)
+        keep = _kept_here(st, directory, names, place)
         idx = LoadIndex.open(directory, st)
     except IndexUnusable:  # a stale or damaged index: loads read .metadata, which is there
         return True
@@ -89,23 +90,27 @@ def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | 
         idx.close()
 
 
-def _kept_here(st: Any, directory: str, names: set[str], rank: int | None) -> set[int] | None:
-    """The ranks whose files ``rank``'s host keeps under a peer layout (``None``: every rank's)."""
-    if rank is None or PEERS_FILE not in names:
+def _kept_here(st: Any, directory: str, names: set[str], place: tuple[int, int] | None) -> set[int] | None:
+    """The ranks whose files this rank's host keeps under the checkpoint's peer layout, when it
+    was saved at this world size (``None``: every rank's)."""
+    if place is None or PEERS_FILE not in names:
         return None
+    rank, world = place
     try:
         layout = PeerLayout.from_description(json.loads(st.read(st.join(directory, PEERS_FILE))))
-    except (OSError, ValueError):
+        L = layout.ranks_per_host
+        if layout.placement.hosts * L != world:
+            return None  # saved at another world size: hosts are not the same ranks
+        return {o for h in layout.placement.keeps(layout.host_of(rank)) for o in range(h * L, h * L + L)}
+    except Exception:  # noqa: BLE001 - an unreadable or odd sidecar: every file is checked
         return None
-    L = layout.ranks_per_host
-    return {o for h in layout.placement.keeps(layout.host_of(rank)) for o in range(h * L, h * L + L)}
 
 
-def my_rank(process_group: Any = None) -> int | None:
-    """This process's rank in ``process_group`` (``None`` without torch.distributed)."""
+def my_place(process_group: Any = None) -> tuple[int, int] | None:
+    """This process's ``(rank, world size)`` in ``process_group`` (``None`` without torch.distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.get_rank(process_group)
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
 def identity_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> str | None:
@@ -172,7 +177,7 @@ def choose_copy(path: str | os.PathLike, durable_root: str | os.PathLike, proces
     loading it then says so)."""
     fast = backend_for(path).normalize(path)
     durable = durable_copy_of(fast, durable_root)
-    agreed = _agree(FAST if complete_here(fast, storage_options, my_rank(process_group)) else 0, 0, durable,
+    agreed = _agree(FAST if complete_here(fast, storage_options, my_place(process_group)) else 0, 0, durable,
                     process_group)
     if agreed is None:
         raise ValueError(f"the ranks load different checkpoints ({durable!r} on this rank); every rank must "
@@ -202,7 +207,7 @@ def _first_restorable(todo: Sequence[Candidate], process_group: Any,
                       storage_options: Mapping[str, Any] | None) -> tuple[int, str] | None | str:
     """The newest restorable candidate, ``None``, or ``"mismatch"`` (the ranks' lists differ)."""
     for step, fast, durable in todo:
-        here = my_rank(process_group)
+        here = my_place(process_group)
         flags = (FAST if fast is not None and complete_here(fast, storage_options, here) else 0) | (
             DURABLE if durable is not None and published_here(durable, storage_options) else 0)
         agreed = _agree(flags, step, f"restore step {step}", process_group)
@@ -220,5 +225,5 @@ def _first_restorable(todo: Sequence[Candidate], process_group: Any,
     return None
 
 
-__all__ = ["choose_copy", "choose_restore_point", "complete_here", "durable_copy_of", "identity_here", "my_rank",
+__all__ = ["choose_copy", "choose_restore_point", "complete_here", "durable_copy_of", "identity_here", "my_place",
            "published_here"]

@@ -168,7 +168,10 @@ class RepairPlan:
     name: str
     layout: PeerLayout
     transfers: tuple[Transfer, ...]
+    #: Hosts that receive files; of them, ``rebuilt``: those without the step published (their
+    #: ``.metadata`` comes from a peer and is published last). The others keep theirs.
     repaired: frozenset[int]
+    rebuilt: frozenset[int] = frozenset()
 
 
 def plan_repair(views: Sequence[Mapping[int, StepView]], ranks_per_host: int) -> RepairPlan | None:
@@ -192,15 +195,20 @@ def plan_repair(views: Sequence[Mapping[int, StepView]], ranks_per_host: int) ->
 
 
 def _layout_of(published: Sequence[StepView], world: int, ranks_per_host: int) -> PeerLayout | None:
-    for v in published:
-        if v.layout is not None:
-            try:
-                layout = PeerLayout.from_description(v.layout)
-            except ValueError:
-                continue
-            if layout.ranks_per_host == ranks_per_host and layout.placement.hosts * ranks_per_host == world:
-                return layout
-    try:  # saved before the sidecar: one copy (two hosts)
+    """The step's layout from a sidecar that fits this job; ``None`` when the sidecars name
+    another one (saved at another world size: not restorable from peers). Without any sidecar
+    (saved before they were written): one copy."""
+    described = [v.layout for v in published if v.layout is not None]
+    for d in described:
+        try:
+            layout = PeerLayout.from_description(d)
+        except ValueError:
+            continue
+        if layout.ranks_per_host == ranks_per_host and layout.placement.hosts * ranks_per_host == world:
+            return layout
+    if described:
+        return None
+    try:
         return PeerLayout.of(world, ranks_per_host, 1)
     except ValueError:
         return None
@@ -209,19 +217,21 @@ def _layout_of(published: Sequence[StepView], world: int, ranks_per_host: int) -
 def _transfers(step: int, host_view: Sequence[StepView | None], good: Sequence[bool],
                layout: PeerLayout) -> RepairPlan | None:
     """The transfers that give every host what it should keep of ``step``, or ``None`` when
-    some rank's files are held by no host."""
-    L, W = layout.ranks_per_host, layout.placement.hosts * layout.ranks_per_host
+    some rank's files are held by no host. A host holds a rank's files only if it has the step
+    published and the layout says it keeps them (a stray file of another save is not a copy)."""
+    L, p = layout.ranks_per_host, layout.placement
+    W = p.hosts * L
+    kept = [{o for k in p.keeps(h) for o in range(k * L, k * L + L)} for h in range(p.hosts)]
     holders: dict[int, list[int]] = {o: [h for h, v in enumerate(host_view) if good[h] and v is not None
-                                         and o in v.owners] for o in range(W)}
+                                         and o in v.owners and o in kept[h]] for o in range(W)}
     if any(not hs for hs in holders.values()):
         return None
     sizes = {o: max(v.owners[o] for v in (host_view[h] for h in hs) if v is not None) for o, hs in holders.items()}
-    load = [0] * layout.placement.hosts
+    load = [0] * p.hosts
     out: list[Transfer] = []
-    repaired = set()
-    for h in range(layout.placement.hosts):
-        keeps = [o for k in layout.placement.keeps(h) for o in range(k * L, k * L + L)]
-        missing = [o for o in keeps if h not in holders[o]]
+    repaired, rebuilt = set(), set()
+    for h in range(p.hosts):
+        missing = sorted(o for o in kept[h] if h not in holders[o])
         if not missing and good[h]:
             continue
         repaired.add(h)
@@ -229,11 +239,12 @@ def _transfers(step: int, host_view: Sequence[StepView | None], good: Sequence[b
             src = min(holders[o], key=lambda s: (load[s], s))
             load[src] += sizes[o]
             out.append(Transfer(layout.rank_on(src, o), layout.rank_on(h, o), o, size=sizes[o]))
-        if not good[h]:
+        if not good[h]:  # rebuilt whole: its .metadata too, from a host that keeps its own
+            rebuilt.add(h)
             src = min((s for s in range(len(good)) if good[s]), key=lambda s: (load[s], s))
             out.append(Transfer(src * L, h * L, None, _META))
     name = next(v.name for v in host_view if v is not None)
-    return RepairPlan(step, name, layout, tuple(out), frozenset(repaired))
+    return RepairPlan(step, name, layout, tuple(out), frozenset(repaired), frozenset(rebuilt))
 
 
 def schedule(transfers: Iterable[Transfer]) -> list[list[Transfer]]:
@@ -280,11 +291,18 @@ def move_files(channel: DistChannel, st: Storage, directory: str, transfers: Ite
 
 
 def _outgoing(st: Storage, directory: str, t: Transfer) -> list[Outgoing]:
+    """The files of transfer ``t`` here; ``FileNotFoundError`` when what the plan counted on is
+    gone (reported, never sent as an empty set the receiver would take as complete)."""
+    names = set(st.listdir(directory))
     if t.owner is None:
-        names = set(st.listdir(directory))
-        return [Outgoing(n, st, st.join(directory, n)) for n in t.files if n in names]
-    return [Outgoing(n, st, st.join(directory, n)) for n in sorted(st.listdir(directory))
-            if n.startswith(f"__{t.owner}_") and PEER_FILE.match(n)]
+        wanted = [n for n in t.files if n in names]
+        if METADATA_FILE in t.files and METADATA_FILE not in wanted or not wanted:
+            raise FileNotFoundError(f"{directory}: {', '.join(n for n in t.files if n not in names)} gone")
+    else:
+        wanted = sorted(n for n in names if n.startswith(f"__{t.owner}_") and PEER_FILE.match(n))
+        if not wanted:
+            raise FileNotFoundError(f"{directory}: no data file of rank {t.owner} left to send")
+    return [Outgoing(n, st, st.join(directory, n)) for n in wanted]
 
 
 def _sink(st: Storage, directory: str, t: Transfer | None, kept: dict[str, bytes]) -> Any:
@@ -327,7 +345,7 @@ def repair_from_peers(plan: RepairPlan, directory: str, channel: DistChannel, st
     first, and every file it receives is renamed into place once whole: a repair that fails
     leaves no file half-written and nothing published."""
     ch, L = channel, plan.layout.ranks_per_host
-    here = ch.rank // L in plan.repaired
+    here = ch.rank // L in plan.rebuilt
     error = None
     if here:
         try:
@@ -360,26 +378,25 @@ def restore_from_peers(save_dir: str | os.PathLike, steps: Mapping[int, str], ra
                        process_group: Any = None, storage_options: Mapping[str, Any] | None = None) -> None:
     """Every rank: bring the newest step under ``save_dir`` that the hosts hold between them
     (``steps``: this rank's ``{step: name}`` of the steps it lists on its fast tier) to the
-    hosts that miss part of it (see the module docstring). Never raises for a repair that
-    failed (logged, also an error between ranks): the tier choice that follows finds the step
-    incomplete there and reads the durable copy, or fails in its own collective."""
+    hosts that miss part of it (see the module docstring). A repair that failed is logged, not
+    raised: the tier choice that follows finds the step incomplete there and reads the durable
+    copy. A broken channel (a peer gone or late) raises ``ChannelError``: the process group
+    cannot be trusted for the choice's own collectives after it."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     channel = peer_channel(process_group, ranks_per_host)
     st = storage_for(save_dir, storage_options)
-    step = None
+    mine = {s: survey(st.join(os.fspath(save_dir), n), st) for s, n in steps.items()}
+    plan = plan_repair(channel.all_gather_object(mine), ranks_per_host)
+    if plan is None or not plan.transfers:
+        return
     try:
-        mine = {s: survey(st.join(os.fspath(save_dir), n), st) for s, n in steps.items()}
-        plan = plan_repair(channel.all_gather_object(mine), ranks_per_host)
-        if plan is None or not plan.transfers:
-            return
-        step = plan.step
         error = repair_from_peers(plan, st.normalize(st.join(os.fspath(save_dir), plan.name)), channel, st)
     except ChannelError as e:
-        error = f"between ranks: {e}"
+        raise ChannelError(f"restoring step {plan.step} from the peers failed between ranks: {e}") from e
     if error is not None:
-        log.warning("solosave: restoring %s on this host's fast tier from its peers failed: %s",
-                    "the newest step" if step is None else f"step {step}", error)
+        log.warning("solosave: restoring step %s on this host's fast tier from its peers failed: %s", plan.step,
+                    error)
 
 
 def fetch_for_load(directory: str, needed: Iterable[str], ranks_per_host: int, process_group: Any = None,
@@ -387,7 +404,8 @@ def fetch_for_load(directory: str, needed: Iterable[str], ranks_per_host: int, p
     """Every rank: bring to this rank's host the data files of ``directory`` that its load reads
     (``needed``) and the host does not hold, from hosts that do (see the module docstring).
     Returns this rank's error; a file no host holds is left missing (the load then fails and,
-    with two tiers, reads the durable copy)."""
+    with two tiers, reads the durable copy). Only the files a host keeps under the checkpoint's
+    layout count as held there. A broken channel raises ``ChannelError``."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     channel = peer_channel(process_group, ranks_per_host)
@@ -397,16 +415,30 @@ def fetch_for_load(directory: str, needed: Iterable[str], ranks_per_host: int, p
     except (OSError, ValueError):
         sizes = {}
     missing = sorted(n for n in set(needed) if n not in sizes and PEER_FILE.match(n))
-    held = {n: s for n, s in sizes.items() if owner_of(n) is not None}
-    try:
-        gathered = channel.all_gather_object((missing, held if channel.rank % ranks_per_host == 0 else None))
-        transfers = _fetches(gathered, ranks_per_host)
-        error = move_files(channel, st, directory, transfers, {}) if transfers else None
-        if transfers:
-            channel.agree_ok(error)
-    except ChannelError as e:
-        return f"between ranks: {e}"
+    kept = _kept_owners(st, directory, sizes, channel.rank, channel.world_size)
+    held = {n: s for n, s in sizes.items() if (o := owner_of(n)) is not None and (kept is None or o in kept)}
+    gathered = channel.all_gather_object((missing, held if channel.rank % ranks_per_host == 0 else None))
+    transfers = _fetches(gathered, ranks_per_host)
+    if not transfers:
+        return None
+    error = move_files(channel, st, directory, transfers, {})
+    channel.agree_ok(error)
     return error
+
+
+def _kept_owners(st: Storage, directory: str, names: Mapping[str, int], rank: int, world: int) -> set[int] | None:
+    """The ranks whose files this rank's host keeps under the layout of ``directory``'s sidecar
+    (``None``: no sidecar, or one of another world size: every file here counts)."""
+    if PEERS_FILE not in names:
+        return None
+    try:
+        layout = PeerLayout.from_description(json.loads(st.read(st.join(directory, PEERS_FILE))))
+    except (OSError, ValueError):
+        return None
+    L = layout.ranks_per_host
+    if layout.placement.hosts * L != world:
+        return None
+    return {o for h in layout.placement.keeps(layout.host_of(rank)) for o in range(h * L, h * L + L)}
 
 
 def _fetches(gathered: Sequence[tuple[list[str], dict[str, int] | None]], ranks_per_host: int) -> list[Transfer]:
