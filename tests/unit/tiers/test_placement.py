@@ -220,12 +220,11 @@ def test_complete_here_at_another_world_size_checks_every_file(tmp_path):
 
     from solosave._src.formats.dcp import METADATA_FILE
     from solosave._src.storage.registry import storage_for
-    from solosave._src.tiers.choice import _kept_here
-    from solosave._src.tiers.peer_copy import PEERS_FILE
+    from solosave._src.tiers.peer_copy import PEERS_FILE, ranks_kept_here
 
     (tmp_path / PEERS_FILE).write_text(json.dumps(PeerLayout.of(4, 2, 1).describe()))
     (tmp_path / METADATA_FILE).write_bytes(b"x")
     st, names = storage_for(str(tmp_path)), {PEERS_FILE, METADATA_FILE}
-    assert _kept_here(st, str(tmp_path), names, (1, 4)) == {0, 1, 2, 3}  # 2 hosts, K=1: everything
-    assert _kept_here(st, str(tmp_path), names, (6, 8)) is None  # restored at 8 ranks: every file
-    assert _kept_here(st, str(tmp_path), names, (0, 2)) is None
+    assert ranks_kept_here(st, str(tmp_path), names, 1, 4) == {0, 1, 2, 3}  # 2 hosts, K=1: everything
+    assert ranks_kept_here(st, str(tmp_path), names, 6, 8) is None  # restored at 8 ranks: every file
+    assert ranks_kept_here(st, str(tmp_path), names, 0, 2) is None

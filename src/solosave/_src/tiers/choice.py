@@ -29,7 +29,6 @@ the index's first bytes; nothing of the data.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,8 +43,8 @@ from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.index.reader import LoadIndex
 from solosave._src.storage.registry import backend_for, storage_for
 from solosave._src.tiers.paths import durable_copy_of
-from solosave._src.tiers.peer_copy import PEERS_FILE
-from solosave._src.tiers.placement import PeerLayout, owner_of
+from solosave._src.tiers.peer_copy import ranks_kept_here
+from solosave._src.tiers.placement import owner_of
 
 FAST, DURABLE = 0b01, 0b10
 
@@ -68,7 +67,7 @@ def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | 
             return False
         if INDEX_FILE not in names:
             return True
-        keep = _kept_here(st, directory, names, place)
+        keep = None if place is None else ranks_kept_here(st, directory, names, *place)
         idx = LoadIndex.open(directory, st)
     except IndexUnusable:  # a stale or damaged index: loads read .metadata, which is there
         return True
@@ -88,22 +87,6 @@ def complete_here(path: str | os.PathLike, storage_options: Mapping[str, Any] | 
         return False
     finally:
         idx.close()
-
-
-def _kept_here(st: Any, directory: str, names: set[str], place: tuple[int, int] | None) -> set[int] | None:
-    """The ranks whose files this rank's host keeps under the checkpoint's peer layout, when it
-    was saved at this world size (``None``: every rank's)."""
-    if place is None or PEERS_FILE not in names:
-        return None
-    rank, world = place
-    try:
-        layout = PeerLayout.from_description(json.loads(st.read(st.join(directory, PEERS_FILE))))
-        L = layout.ranks_per_host
-        if layout.placement.hosts * L != world:
-            return None  # saved at another world size: hosts are not the same ranks
-        return {o for h in layout.placement.keeps(layout.host_of(rank)) for o in range(h * L, h * L + L)}
-    except Exception:  # noqa: BLE001 - an unreadable or odd sidecar: every file is checked
-        return None
 
 
 def my_place(process_group: Any = None) -> tuple[int, int] | None:

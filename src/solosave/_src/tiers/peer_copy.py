@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from solosave._src.coordination.channel import Channel
@@ -91,6 +91,21 @@ def copy_to_peers(channel: Channel, seq: int, directory: str, files: tuple[str, 
         except OSError as e:
             return {ch.rank: f"publishing {METADATA_FILE} on this host's fast tier failed: {describe(e)}"}
     return {}
+
+
+def ranks_kept_here(st: Any, directory: str, names: Iterable[str], rank: int, world: int) -> set[int] | None:
+    """The ranks whose files the host of ``rank`` keeps under the layout of ``directory``'s
+    ``.solosave-peers`` sidecar (``names``: the directory's listing). ``None``: no sidecar, an
+    unreadable one, or one saved at another world size (hosts are not the same ranks then)."""
+    if PEERS_FILE not in names:
+        return None
+    try:
+        layout = PeerLayout.from_description(json.loads(st.read(st.join(directory, PEERS_FILE))))
+        if layout.placement.hosts * layout.ranks_per_host != world:
+            return None
+        return layout.kept_ranks(layout.host_of(rank))
+    except Exception:  # noqa: BLE001 - an odd sidecar: every file counts
+        return None
 
 
 def _sink_for(st: Any, directory: str, sender: int, writer: FileWriter) -> Callable[[str, int], Any]:
@@ -169,4 +184,4 @@ def _stale_metadata_removed(st: Any, directory: str, digest: str) -> tuple[bool,
     return False, None
 
 
-__all__ = ["PEERS_FILE", "copy_to_peers"]
+__all__ = ["PEERS_FILE", "copy_to_peers", "ranks_kept_here"]

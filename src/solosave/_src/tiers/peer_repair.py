@@ -50,7 +50,7 @@ from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.index.reader import LoadIndex
 from solosave._src.storage.base import Storage
 from solosave._src.storage.registry import storage_for
-from solosave._src.tiers.peer_copy import PEERS_FILE
+from solosave._src.tiers.peer_copy import PEERS_FILE, ranks_kept_here
 from solosave._src.tiers.placement import PeerLayout, owner_of
 from solosave._src.write.publish import commit_checkpoint, unpublish
 
@@ -221,7 +221,7 @@ def _transfers(step: int, host_view: Sequence[StepView | None], good: Sequence[b
     published and the layout says it keeps them (a stray file of another save is not a copy)."""
     L, p = layout.ranks_per_host, layout.placement
     W = p.hosts * L
-    kept = [{o for k in p.keeps(h) for o in range(k * L, k * L + L)} for h in range(p.hosts)]
+    kept = [layout.kept_ranks(h) for h in range(p.hosts)]
     holders: dict[int, list[int]] = {o: [h for h, v in enumerate(host_view) if good[h] and v is not None
                                          and o in v.owners and o in kept[h]] for o in range(W)}
     if any(not hs for hs in holders.values()):
@@ -415,7 +415,7 @@ def fetch_for_load(directory: str, needed: Iterable[str], ranks_per_host: int, p
     except (OSError, ValueError):
         sizes = {}
     missing = sorted(n for n in set(needed) if n not in sizes and PEER_FILE.match(n))
-    kept = _kept_owners(st, directory, sizes, channel.rank, channel.world_size)
+    kept = ranks_kept_here(st, directory, sizes, channel.rank, channel.world_size)
     held = {n: s for n, s in sizes.items() if (o := owner_of(n)) is not None and (kept is None or o in kept)}
     gathered = channel.all_gather_object((missing, held if channel.rank % ranks_per_host == 0 else None))
     transfers = _fetches(gathered, ranks_per_host)
@@ -424,21 +424,6 @@ def fetch_for_load(directory: str, needed: Iterable[str], ranks_per_host: int, p
     error = move_files(channel, st, directory, transfers, {})
     channel.agree_ok(error)
     return error
-
-
-def _kept_owners(st: Storage, directory: str, names: Mapping[str, int], rank: int, world: int) -> set[int] | None:
-    """The ranks whose files this rank's host keeps under the layout of ``directory``'s sidecar
-    (``None``: no sidecar, or one of another world size: every file here counts)."""
-    if PEERS_FILE not in names:
-        return None
-    try:
-        layout = PeerLayout.from_description(json.loads(st.read(st.join(directory, PEERS_FILE))))
-    except (OSError, ValueError):
-        return None
-    L = layout.ranks_per_host
-    if layout.placement.hosts * L != world:
-        return None
-    return {o for h in layout.placement.keeps(layout.host_of(rank)) for o in range(h * L, h * L + L)}
 
 
 def _fetches(gathered: Sequence[tuple[list[str], dict[str, int] | None]], ranks_per_host: int) -> list[Transfer]:

@@ -173,6 +173,11 @@ class PeerLayout:
         """The rank of ``host`` with the local rank of ``like``."""
         return host * self.ranks_per_host + like % self.ranks_per_host
 
+    def kept_ranks(self, host: int) -> set[int]:
+        """The ranks whose files ``host`` keeps after a save: its own and its sources' ranks."""
+        L = self.ranks_per_host
+        return {o for h in self.placement.keeps(host) for o in range(h * L, h * L + L)}
+
     def send_to(self, rank: int, round_: int) -> int:
         """The rank that ``rank`` sends its files to in round ``round_`` (1..K) of a save."""
         return self.rank_on(self.placement.holders(self.host_of(rank))[round_ - 1], rank)
