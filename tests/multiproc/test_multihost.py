@@ -52,9 +52,10 @@ def hosts():
         subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
-def _job(hosts, root, phase, per_host=2, local_dirs=False):
-    """Run ``phase`` on every rank. ``local_dirs``: each host sees its own ``root/host<h>`` as
-    ``root/fast`` (a bind mount in a mount namespace of its own): node-local fast tiers."""
+def _job(hosts, root, phase, per_host=2, local_dirs=False, script="multihost_fns.py", extra=(), timeout=240):
+    """Run ``script root phase *extra`` on every rank; ``[(returncode, stdout, stderr)]`` in rank
+    order. ``local_dirs``: each host sees its own ``root/host<h>`` as ``root/fast`` (a bind
+    mount in a mount namespace of its own): node-local fast tiers."""
     world = per_host * len(hosts)
     port = free_port()
     procs = []
@@ -65,7 +66,7 @@ def _job(hosts, root, phase, per_host=2, local_dirs=False):
                        MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1",
                        SOLOSAVE_WORKER_ZYGOTE="",  # workers in the host's namespaces, not the zygote's
                        PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
-            cmd = [sys.executable, os.path.join(HERE, "multihost_fns.py"), str(root), phase]
+            cmd = [sys.executable, os.path.join(HERE, script), str(root), phase, *extra]
             if local_dirs:
                 own, fast = os.path.join(root, f"host{h}"), os.path.join(root, "fast")
                 cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
@@ -75,7 +76,7 @@ def _job(hosts, root, phase, per_host=2, local_dirs=False):
     outs = []
     for p in procs:
         try:
-            o, e = p.communicate(timeout=240)
+            o, e = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()

@@ -6,19 +6,15 @@ durable tier is taken away, and the job restores bit for bit from the surviving 
 import filecmp
 import json
 import os
-import shlex
 import shutil
 import subprocess
-import sys
 import uuid
 
 import pytest
 
 from solosave._src.tiers.placement import PeerPlacement
-from tests.support import free_port
+from tests.multiproc.test_multihost import _job as launch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]  # fresh interpreters in namespaces: make test-slow
 
 
@@ -66,33 +62,11 @@ def network():
 
 
 def _job(hosts, root, phase, copies, per_host):
-    world = per_host * len(hosts)
-    port = free_port()
-    procs = []
-    for h, (ns, dev, _) in enumerate(hosts):
-        for local in range(per_host):
-            env = dict(os.environ, RANK=str(h * per_host + local), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
-                       LOCAL_WORLD_SIZE=str(per_host), MASTER_ADDR=hosts[0][2], MASTER_PORT=str(port),
-                       GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1", SOLOSAVE_WORKER_ZYGOTE="",
-                       PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
-            cmd = [sys.executable, os.path.join(HERE, "peer_hosts_fns.py"), str(root), phase, str(copies),
-                   str(per_host)]
-            own, fast = os.path.join(root, f"host{h}"), os.path.join(root, "fast")
-            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                   f"mount --bind {shlex.quote(own)} {shlex.quote(fast)} && exec {shlex.join(cmd)}"]
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=env))
-    outs = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append((p.returncode, o, e))
+    """Every rank's JSON line (the launch is the two-host test's, node-local fast tiers)."""
+    outs = launch(hosts, root, phase, per_host, local_dirs=True, script="peer_hosts_fns.py",
+                  extra=(str(copies), str(per_host)), timeout=300)
     results = [json.loads(o.strip().splitlines()[-1]) for rc, o, e in outs if rc == 0 and o.strip()]
-    assert len(results) == world, outs
+    assert len(results) == per_host * len(hosts), outs
     return results
 
 
