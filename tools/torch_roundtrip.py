@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
-import socket
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: benchmarks
+from benchmarks.ranks import run_ranks  # noqa: E402 - after the path
 
 WORLD_SIZE = 2
 SEED = 1234
@@ -220,71 +219,20 @@ def _read(rank: int, root: str) -> dict[tuple[str, str], list[str]]:
 
 # -- processes ------------------------------------------------------------------------------------
 
-def _child(mode: str, rank: int, port: int, root: str, results: Any, timeout: float) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), "OMP_NUM_THREADS": "1"})
-    import torch.distributed as dist
-
+def _phase(rank: int, world_size: int, mode: str, root: str) -> Any:
     torch.set_num_threads(1)
-    code = 0
+    return (_write if mode == "write" else _read)(rank, root)
+
+
+def run_phase(mode: str, root: str, timeout: float) -> dict[int, tuple[str, Any]]:
+    """``{rank: ("ok", value) | ("err", why)}`` from the project's bounded launcher
+    (``benchmarks.ranks.run_ranks``: spawned ranks, gloo on 127.0.0.1, every rank killed past
+    ``timeout``)."""
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD_SIZE, timeout=timedelta(seconds=timeout))
-        results.put((rank, "ok", (_write if mode == "write" else _read)(rank, root)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "err", traceback.format_exc()))
-        code = 1
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001,S110
-            pass
-    results.close()
-    results.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no late gloo teardown at interpreter exit
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(mode: str, root: str, timeout: float) -> dict[int, tuple[str, Any]]:
-    """``{rank: ("ok", value) | ("err", traceback)}``; a rank without a result by ``timeout``
-    is killed and reported as an error."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(mode, r, port, root, results, timeout), daemon=False)
-             for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < WORLD_SIZE and time.monotonic() < deadline:
-        try:
-            rank, kind, value = results.get(timeout=1.0)
-            got[rank] = (kind, value)
-        except queue.Empty:
-            if all(not p.is_alive() for p in procs):  # died without a result: one last look
-                try:
-                    while True:
-                        rank, kind, value = results.get(timeout=1.0)
-                        got[rank] = (kind, value)
-                except queue.Empty:
-                    break
-    for r, p in enumerate(procs):
-        p.join(max(1.0, deadline - time.monotonic()) if r not in got else 30.0)
-        if p.is_alive():
-            p.kill()
-            p.join(10.0)
-        if r not in got:
-            got[r] = ("err", f"rank {r}: no result (exit code {p.exitcode}, timeout {timeout:g} s)")
-    return got
+        values = run_ranks(_phase, WORLD_SIZE, mode, root, timeout=timeout)
+    except AssertionError as e:  # the launcher's report: every failing rank's traceback
+        return {r: ("err", str(e)) for r in range(WORLD_SIZE)}
+    return {r: ("ok", v) for r, v in enumerate(values)}
 
 
 def _writer_of(root: str) -> str:
@@ -309,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.save({"seed": SEED, "torch": here,
                     "ranks": {r: {name: make_state(r, v) for name, v in CHECKPOINTS.items()}
                               for r in range(WORLD_SIZE)}}, f"{root}/expected.pt")
-        got = run_ranks("write", root, args.timeout)
+        got = run_phase("write", root, args.timeout)
         bad = {r: v for r, (kind, v) in got.items() if kind != "ok"}
         for r, tb in sorted(bad.items()):
             print(f"rank {r}:\n{tb}", file=sys.stderr)
@@ -321,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     from solosave import verify_checkpoint
 
     writer = _writer_of(root)
-    got = run_ranks("read", root, args.timeout)
+    got = run_phase("read", root, args.timeout)
     failed = False
     for name in CHECKPOINTS:
         for loader in LOADERS:
