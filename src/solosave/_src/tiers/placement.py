@@ -22,10 +22,9 @@ the fewer distinct such sets there are, the less likely a random loss of K + 1 h
 (``hosts / (K + 1)`` sets with cliques against ``hosts`` with one ring over all hosts).
 
 Failure domains: when there are at least K + 1 domains, no two copies of a file (nor the file
-itself) share a domain: step 1 makes consecutive positions differ, and a group that would break
-this (a group larger than the number of domains) makes the rule fall back to one group of all
-hosts (a single ring over the interleaved order, which never breaks it). With fewer domains
-than K + 1 the copies are spread over the domains as evenly as the order allows.
+itself) share a domain: step 1 makes consecutive positions differ, and no group is larger than
+the number of domains (see ``groups``). With fewer domains than K + 1 the copies are spread
+over the domains as evenly as the order allows.
 """
 
 from __future__ import annotations
@@ -78,10 +77,11 @@ class PeerPlacement:
     @functools.cached_property
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """Steps 2 and 3: the groups of hosts, each in its order of positions."""
-        grouped = _cut(self.order, self.copies + 1)
-        if self.domains > self.copies and any(len(g) > self.domains for g in grouped):
-            grouped = (self.order,)  # one ring over the interleaved order keeps the copies' domains apart
-        return grouped
+        # No group is larger than the number of domains N when N >= K + 1, so its members lie in
+        # different domains: with D = 1 every host is a domain; with D >= 2 and N = K + 1 + m,
+        # the remainder r = H mod (K + 1) = m*D mod (K + 1) <= m*D spreads over G >= D groups,
+        # at most ceil(r / G) <= m more per group (checked for every H <= 400, D, K <= 4).
+        return _cut(self.order, self.copies + 1)
 
     @functools.cached_property
     def _holders(self) -> tuple[tuple[int, ...], ...]:
