@@ -5,7 +5,7 @@ Public API (everything else is private and may change)::
     AsyncCheckpointer, CheckpointerOptions, SaveHandle, SaveResult, PhaseTimings, CollectiveCall,
     DurableCopy, DurableResult
     save, async_save, DcpSaver, default_saver     (DCP's save calls, by solosave)
-    load, PreparedMetadata, Fingerprint, load_prepared_metadata, save_prepared_metadata
+    load, LoadResult, PreparedMetadata, Fingerprint, load_prepared_metadata, save_prepared_metadata
     FileWriter, verify_checkpoint, VerifyReport, export, ExportReport
     SolosaveError, CheckpointError, LayoutDriftError, WorkerDiedError, CheckpointExistsError,
     CorruptCheckpointError, PreparedMetadataError, UnsafeMetadataError, FingerprintMismatchError, SaveTimeoutError,
@@ -27,6 +27,7 @@ from solosave._src.core.errors import (
     WorkerDiedError,
 )
 from solosave._src.load.load import load
+from solosave._src.load.result import LoadResult
 from solosave._src.prepared.prepared import (
     Fingerprint,
     PreparedMetadata,
@@ -58,6 +59,7 @@ __all__ = [
     "Fingerprint",
     "FingerprintMismatchError",
     "LayoutDriftError",
+    "LoadResult",
     "PhaseTimings",
     "PreparedMetadata",
     "PreparedMetadataError",

@@ -139,11 +139,13 @@ def index_loads(rank: int, ws: int, root: str) -> dict:
             parse = mock.patch.object(sl, "parse_metadata", side_effect=AssertionError("parsed .metadata"))
             with mock.patch.object(dist, "all_reduce", count("all_reduce", real_ar)), \
                     mock.patch.object(dist, "broadcast_object_list", count("broadcast", real_bc)):
+                # the index path's own collectives (a cooperative load's are counted in
+                # tests/multiproc/test_cooperative_load.py)
                 if use_index:
                     with parse:
-                        solosave.load(got, os.path.join(root, name))
+                        solosave.load(got, os.path.join(root, name), cooperative=False)
                 else:
-                    solosave.load(got, os.path.join(root, name), use_index=False)
+                    solosave.load(got, os.path.join(root, name), use_index=False, cooperative=False)
             ok = all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES)
             out[f"{name}/{use_index}"] = (ok and torch.equal(got["p"], want["p"]) and got["step"] == 41, list(calls))
     # The last rank cannot use the index (unusable there only): the others have loaded through it
@@ -156,12 +158,25 @@ def index_loads(rank: int, ws: int, root: str) -> dict:
             mock.patch.object(dist, "broadcast_object_list", count("broadcast", real_bc)):
         if rank == ws - 1:
             with refuse:
-                solosave.load(got, os.path.join(root, "c1"))
+                solosave.load(got, os.path.join(root, "c1"), cooperative=False)
         else:  # these ranks loaded through the index: they take part in the broadcast, parse nothing
             with mock.patch.object(sl, "parse_metadata", side_effect=AssertionError("parsed .metadata")):
+                solosave.load(got, os.path.join(root, "c1"), cooperative=False)
+    out["mixed"] = (all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES) and torch.equal(got["p"], want["p"])
+                    and got["step"] == 41, list(calls))
+    # The same, cooperative (the default): every rank takes part in each pass's sketch (the
+    # ranks that loaded through the index stand aside in the second) and the values still agree.
+    got = _state(ws, LOAD_DIM, {k: torch.zeros_like(v) for k, v in want.items()}, 0)
+    calls.clear()
+    with mock.patch.object(dist, "all_reduce", count("all_reduce", real_ar)), \
+            mock.patch.object(dist, "broadcast_object_list", count("broadcast", real_bc)):
+        if rank == ws - 1:
+            with refuse:
                 solosave.load(got, os.path.join(root, "c1"))
+        else:
+            solosave.load(got, os.path.join(root, "c1"))
     ok = all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES)
-    out["mixed"] = (ok and torch.equal(got["p"], want["p"]) and got["step"] == 41, list(calls))
+    out["mixed/cooperative"] = (ok and torch.equal(got["p"], want["p"]) and got["step"] == 41, list(calls))
     return out
 
 
@@ -186,9 +201,9 @@ def same_sharding_loads(rank: int, ws: int, root: str) -> dict:
     whole: list[str] = []
     real = sl.read_items
 
-    def spy(directory, items, storage_data, planner, reads=()):
+    def spy(directory, items, storage_data, planner, reads=(), cooperation=None):
         whole.extend(read.fqn for read, _ in reads)
-        return real(directory, items, storage_data, planner, reads)
+        return real(directory, items, storage_data, planner, reads, cooperation)
 
     from torch.distributed.tensor import DTensor
 

@@ -171,6 +171,8 @@ def test_solosave_load_uses_only_the_index_of_create_and_reuse_saves(tmp_path, w
             assert ok and calls == ["broadcast", "all_reduce"], calls
         ok, calls = out["mixed"]
         assert ok and calls == ["all_reduce", "broadcast", "all_reduce"], (rank, calls)
+        ok, calls = out["mixed/cooperative"]
+        assert ok and calls[-1] == "all_reduce" and "broadcast" in calls, (rank, calls)
     case_log(f"W={ws}: create and reuse saves, loaded along other dimensions",
              ".metadata never parsed; one 8-byte all_reduce, no broadcast; bit-exact")
     case_log(f"W={ws}: the last rank cannot use the load index, the others can",

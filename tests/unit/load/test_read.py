@@ -285,8 +285,8 @@ def _spy_reads(monkeypatch):
     """Record what each ``read_items`` call of ``solosave.load`` got, and its stats."""
     calls = []
 
-    def spy(directory, items, storage_data, planner, whole=()):
-        stats = _read.read_items(directory, items, storage_data, planner, whole)
+    def spy(directory, items, storage_data, planner, whole=(), cooperation=None):
+        stats = _read.read_items(directory, items, storage_data, planner, whole, cooperation)
         calls.append({"items": [(i.storage_index.fqn, i.type) for i in items], "whole": [w.fqn for w, _ in whole],
                       "stats": stats})
         return stats

@@ -140,6 +140,12 @@ class Channel:
         """One ``all_reduce(BAND)`` of one int64 element (8 bytes): the reuse status word."""
         raise NotImplementedError
 
+    def all_reduce_sum(self, values: list[int]) -> list[int]:
+        """The element-wise sum of ``values`` (int32 counters, the same length on every rank)
+        over every rank: one ``all_reduce(SUM)`` (the sketch of a cooperative load,
+        :mod:`solosave._src.coordination.sketch`)."""
+        raise NotImplementedError
+
     def all_and(self, value: int) -> int:
         """The bitwise AND of ``value`` over every rank (one 8-byte ``all_reduce``)."""
         return self.all_reduce_and(int(value))
@@ -204,6 +210,14 @@ class Channel:
         ``src`` (either side may be absent: ``payload`` None, ``nbytes`` 0). Not collective: only
         the two ranks of a message take part, and each send is matched by the other rank's
         receive, in order. Counted as ``send`` and ``recv`` with their bytes."""
+        raise NotImplementedError
+
+    def transfer(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        """Post every send (``(group rank, 1-D uint8 CPU tensor)``) and every receive (``(group
+        rank, tensor filled in place)``) of one round of a cooperative load at once, then wait for
+        all of them, each bounded by :attr:`timeout`. Message ``i`` of the sends to a rank is
+        matched by receive ``i`` from this rank on the other side (their order is the tag). Not
+        collective: the ranks of the round's messages take part. Counted as ``send`` and ``recv``."""
         raise NotImplementedError
 
     # -- shared values (a store key, not a collective: posted once, read by some ranks) ----------
@@ -302,6 +316,15 @@ class DistChannel(Channel):
         self._record("all_reduce", t.numel() * t.element_size(), t0)
         return int(t.item())
 
+    def all_reduce_sum(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int32)
+        staged = _device_of(self.group)
+        box = t if staged is None else t.to(staged)
+        t0 = time.perf_counter()
+        self._run("all_reduce", lambda: dist.all_reduce(box, op=dist.ReduceOp.SUM, group=self.group))
+        self._record("all_reduce", t.numel() * t.element_size(), t0)
+        return box.cpu().tolist()
+
     def all_and(self, value: int) -> int:
         """The bitwise AND of ``value`` over every rank: one 8-byte ``all_reduce`` on gloo, an
         ``all_gather_object`` of one int on other backends (no device tensor needed)."""
@@ -333,6 +356,37 @@ class DistChannel(Channel):
             return None
         self.counter.record(CollectiveCall("recv", nbytes, threading.current_thread().name, seconds))
         return inbox.numpy().tobytes()
+
+    def transfer(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        t0 = time.perf_counter()
+        staged = _device_of(self.group)  # NCCL moves device tensors only: stage through the GPU
+        works: list[Any] = []
+        inboxes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        tags: dict[tuple[str, int], int] = {}
+        for dst, data in sends:
+            tag = tags[("s", dst)] = tags.get(("s", dst), -1) + 1
+            out = data if staged is None else data.to(staged)
+            works.append(self._run("send", functools.partial(dist.isend, out, self._global(dst),
+                                                             group=self.group, tag=tag)))
+        for src, into in recvs:
+            tag = tags[("r", src)] = tags.get(("r", src), -1) + 1
+            box = into if staged is None else torch.empty_like(into, device=staged)
+            inboxes.append((into, box))
+            works.append(self._run("recv", functools.partial(dist.irecv, box, self._global(src),
+                                                             group=self.group, tag=tag)))
+        limit = datetime.timedelta(seconds=self.timeout)
+        for work in works:
+            if not self._run("wait", functools.partial(work.wait, limit)):
+                raise ChannelError(f"a transfer of a cooperative load did not complete within {self.timeout:g} s")
+        for into, box in inboxes:
+            if box is not into:
+                into.copy_(box)
+        seconds = time.perf_counter() - t0
+        thread = threading.current_thread().name
+        if sends:
+            self.counter.record(CollectiveCall("send", sum(t.numel() for _, t in sends), thread, seconds))
+        if recvs:
+            self.counter.record(CollectiveCall("recv", sum(t.numel() for _, t in recvs), thread, seconds))
 
     def _global(self, rank: int | None) -> int:
         if rank is None:
@@ -369,6 +423,18 @@ class DistChannel(Channel):
         if self.store is None:
             raise ChannelError("internal: this channel has no store for publication receipts")
         return self.store
+
+
+def _device_of(group: Any) -> torch.device | None:
+    """Where a transfer's tensors must be for ``group``'s backend: ``None`` (CPU, as given) for
+    gloo, this process's current CUDA device for NCCL."""
+    try:
+        backend = dist.get_backend(group)
+    except Exception:  # noqa: BLE001 - unknown backend: send CPU tensors
+        return None
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def _is_gloo(group: Any) -> bool:

@@ -175,6 +175,12 @@ class OutOfStep(Exception):
     """The ranks' engines are not running the same save (found in a collective's result)."""
 
 
+class FailedElsewhere(SolosaveError):
+    """Another rank of a cooperative load failed (it could not plan or read its share): this
+    rank stopped too. :func:`solosave.load` then raises the failing rank's own error on every
+    rank; this one is only what a rank holds before the errors are gathered."""
+
+
 class IndexUnusable(SolosaveError):
     """The index cannot be used for this load (stale, foreign, truncated, corrupt or crafted);
     the message says why. The loader then reads ``.metadata``, as stock DCP does."""

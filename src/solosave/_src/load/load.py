@@ -29,6 +29,7 @@ import io
 import logging
 import os
 import pickle
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from solosave._src.coordination.channel import DistChannel
 from solosave._src.coordination.status import save_identity
 from solosave._src.core.errors import (
     CorruptCheckpointError,
+    FailedElsewhere,
     IndexUnusable,
     OutOfStep,
     PreparedMetadataError,
@@ -54,8 +56,10 @@ from solosave._src.core.gc_pause import gc_paused
 from solosave._src.formats.dcp import METADATA_FILE, check_ranges, local_file_problem
 from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.index.reader import LoadIndex, wanted_of
+from solosave._src.load.cooperative import Cooperation
 from solosave._src.load.range_read import read_items_by_ranges
 from solosave._src.load.read_path import ReadStats, damaged_record, read_items
+from solosave._src.load.result import LoadResult
 from solosave._src.load.whole_reads import WholeRead, keeps_default, planning_the_rest, reads_in_place, whole_reads
 from solosave._src.storage.base import Storage
 from solosave._src.storage.dcp_filesystem import DcpFileSystem
@@ -112,14 +116,20 @@ class SafeFileSystemReader(FileSystemReader):
         needed.update((MetadataIndex(read.fqn), info) for read, info in whole)
         problems = check_ranges(self.path, needed)
         if problems:
+            _take_part(self.cooperation, failed=True)
             raise CorruptCheckpointError(
                 f"checkpoint {os.fspath(self.path)} is damaged: {'; '.join(problems)}. Load an "
                 "earlier checkpoint; `solosave verify` lists every problem.", problems)
         if not self.fast_read or any(getattr(info, "transform_descriptors", None) for info in needed.values()):
             if whole:
                 raise AssertionError("internal: whole reads need the fast read path")
+            _take_part(self.cooperation, failed=False)  # DCP's own path reads alone
+            self.last_read_stats = _dcp_read_stats(needed)
             return super().read_data(plan, planner)  # DCP's own path (stream transforms)
-        self.last_read_stats = read_items(self.path, plan.items, self.storage_data, planner, whole)
+        t0 = time.perf_counter()
+        self.last_read_stats = read_items(self.path, plan.items, self.storage_data, planner, whole,
+                                          self.cooperation)
+        self.last_read_seconds = time.perf_counter() - t0
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -127,8 +137,13 @@ class SafeFileSystemReader(FileSystemReader):
     #: Read with :func:`solosave._src.load.read_path.read_items` (one pass per file, payloads straight into
     #: the targets); ``False``: DCP's ``FileSystemReader.read_data`` (one ``torch.load`` per record).
     fast_read: bool = True
-    #: What the last ``read_data`` did (``None`` before one, or after DCP's own path).
+    #: What the last ``read_data`` did (``None`` before one), and how long its reads took (the
+    #: cooperative part included).
     last_read_stats: ReadStats | None = None
+    last_read_seconds: float = 0.0
+    #: Set by :func:`load` for one pass: ``read_data`` takes part in this cooperative load
+    #: (:mod:`solosave._src.load.cooperative`; every rank of the load, once).
+    cooperation: Cooperation | None = None
 
     #: ``.metadata`` parsed before DCP's load started (see :func:`load`); ``None``: read the
     #: file here (a reader used with stock ``dcp.load``).
@@ -165,17 +180,26 @@ class SafeStorageReader(SafeFileSystemReader):
     def read_data(self, plan: Any, planner: Any, whole: Sequence[tuple[WholeRead, Any]] = ()) -> Any:
         needed = _needed(self.path, self.storage_data, plan)
         needed.update((MetadataIndex(read.fqn), info) for read, info in whole)
-        problems = check_ranges(self.path, needed, size_of=self._sizes())
+        try:
+            problems = check_ranges(self.path, needed, size_of=self._sizes())
+        except Exception:
+            _take_part(self.cooperation, failed=True)
+            raise
         if problems:
+            _take_part(self.cooperation, failed=True)
             raise CorruptCheckpointError(
                 f"checkpoint {self.path} is damaged: {'; '.join(problems)}. Load an earlier checkpoint; "
                 "`solosave verify` lists every problem.", problems)
         if not self.fast_read or any(getattr(info, "transform_descriptors", None) for info in needed.values()):
             if whole:
                 raise AssertionError("internal: whole reads need the fast read path")
+            _take_part(self.cooperation, failed=False)  # DCP's own path reads alone
+            self.last_read_stats = _dcp_read_stats(needed)
             return FileSystemReader.read_data(self, plan, planner)
+        t0 = time.perf_counter()
         self.last_read_stats = read_items_by_ranges(self.storage, os.fspath(self.path), plan.items, self.storage_data,
-                                                    planner, whole)
+                                                    planner, whole, cooperation=self.cooperation)
+        self.last_read_seconds = time.perf_counter() - t0
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -210,6 +234,26 @@ def _needed(path: Any, storage_data: Mapping[Any, Any], plan: Any) -> dict[Any, 
         raise CorruptCheckpointError(
             f"checkpoint {os.fspath(path)} is damaged: its {METADATA_FILE} declares {e.args[0]} but has no storage "
             "entry for it. Load an earlier checkpoint; `solosave verify` lists every problem.") from None
+
+
+def _dcp_read_stats(needed: Mapping[Any, Any]) -> ReadStats:
+    """What DCP's own read path reads for ``needed`` (each record's range, once)."""
+    return ReadStats(files=len({info.relative_path for info in needed.values()}),
+                     bytes_read=sum(int(info.length) for info in needed.values()))
+
+
+def _take_part(coop: Cooperation | None, failed: bool) -> None:
+    """A rank that does not read through ``coop`` in this pass still takes part in it, once
+    (as a rank that failed, or one that reads alone): no other rank waits for it. A broken
+    channel here is logged: the load's own agreement reports it."""
+    if coop is None or coop.entered:
+        return
+    try:
+        coop.abstain() if failed else coop.stand_aside()
+    except FailedElsewhere:
+        pass  # another rank's failure: the load's agreement reports it
+    except Exception as e:  # noqa: BLE001 - the load already has its outcome; the agreement follows
+        log.warning("solosave.load: the cooperative load's sketch failed on this rank: %s", e)
 
 
 def _set_at(root: Any, path: Sequence[Any], value: Any) -> None:
@@ -282,7 +326,8 @@ def _share_metadata(path: str | os.PathLike, process_group: Any,
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: Any = None,
          planner: Any = None, read_metadata_once: bool = True, safe_globals: Sequence[Any] = (),
          storage_options: Mapping[str, Any] | None = None, use_index: bool = True,
-         durable_root: str | os.PathLike | None = None, ranks_per_host: int = 0) -> str:
+         durable_root: str | os.PathLike | None = None, ranks_per_host: int = 0,
+         cooperative: bool | None = None) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
     Collective over ``process_group`` when torch.distributed is initialised; one process
@@ -323,12 +368,26 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     finds it complete and the same checkpoint (its ``save_id``), else the durable one, on every
     rank (:mod:`solosave._src.tiers.choice`: one or two more 8-byte ``all_reduce``). A fast copy
     found damaged while loading (a truncated or unreadable file, on any rank) is followed by a
-    load of the durable copy, on every rank. Returns the path loaded from.
+    load of the durable copy, on every rank.
 
     ``ranks_per_host`` (saved with ``peer_copies``, fast tiers local to each host): hosts that miss
     part of ``path`` get it back from the hosts that hold it, then the files this rank reads that
     its host does not keep come from those that do (:mod:`solosave._src.tiers.peer_repair`: an
     ``all_gather_object`` each; transfers only where a host misses something).
+
+    ``cooperative`` (``None``: automatic; ``False``: off): with two or more ranks, each byte range
+    of at least 64 KiB that several ranks need (replicas, or resharding that feeds one saved chunk
+    to several ranks) is read from storage by one of them, chosen to balance the bytes per host
+    and per rank, and delivered to the others over ``process_group`` in rounds of at most 256 MiB
+    per rank (:mod:`solosave._src.load.cooperative`): the job reads each such byte once. It costs
+    one 16 KiB ``all_reduce`` (a sketch that proves when nothing is shared: then nothing else
+    happens), and, where ranges are shared, an ``all_gather_object`` of their keys and one 8-byte
+    ``all_reduce`` per round. Works on either tier and on URLs; a planner with a global step of
+    its own loads through DCP's collective load, without it.
+
+    Returns a :class:`~solosave.LoadResult`: the path loaded from (a ``str``; with two tiers, the
+    copy that was loaded), with what this rank read from storage, received from and sent to other
+    ranks, the files it opened and the seconds per phase.
     """
     distributed = dist.is_available() and dist.is_initialized()
     peers = ranks_per_host if distributed else 0
@@ -337,16 +396,16 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
         name = backend.basename(backend.normalize(path))
         restore_from_peers(backend.dirname(backend.normalize(path)), {0: name}, peers, process_group,
                            storage_options)
-    args = (process_group, planner, read_metadata_once, safe_globals, storage_options, use_index, distributed)
+    args = (process_group, planner, read_metadata_once, safe_globals, storage_options, use_index, distributed,
+            cooperative)
     chosen = path if durable_root is None else choose_copy(path, durable_root, process_group, storage_options)
     durable = None if durable_root is None else durable_copy_of(path, durable_root)
     if peers and chosen != durable:
         _fetch_from_peers(state_dict, chosen, peers, process_group, storage_options)
     if durable is None:
-        _load(state_dict, path, *args)
-        return os.fspath(path)
+        return _load(state_dict, path, *args)
     try:
-        _load(state_dict, chosen, *args)
+        return _load(state_dict, chosen, *args)
     except OutOfStep:
         raise
     except Exception as e:  # noqa: BLE001 - every rank fails alike (the load agreed): every rank retries
@@ -354,9 +413,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
             raise
         log.warning("solosave.load: the fast copy %s could not be read (%s); loading the durable copy %s",
                     chosen, e, durable)
-        _load(state_dict, durable, *args)
-        return durable
-    return os.fspath(chosen)
+        return _load(state_dict, durable, *args)
 
 
 def _fetch_from_peers(state_dict: dict[str, Any], path: str | os.PathLike, ranks_per_host: int,
@@ -401,8 +458,9 @@ def _files_read(state_dict: dict[str, Any], directory: str, st: Storage) -> set[
 
 def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: Any, planner: Any,
           read_metadata_once: bool, safe_globals: Sequence[Any], storage_options: Mapping[str, Any] | None,
-          use_index: bool, distributed: bool) -> None:
-    """:func:`load` from ``path`` (its tier chosen)."""
+          use_index: bool, distributed: bool, cooperative: bool | None = None) -> LoadResult:
+    """:func:`load` from ``path`` (its tier chosen); returns what this rank did."""
+    t0 = time.perf_counter()
     storage = storage_for(path, storage_options)
     reader = (SafeFileSystemReader(path) if storage.local_files
               else SafeStorageReader(os.fspath(path), storage_options, storage=storage))  # DCP's read path
@@ -410,32 +468,67 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: An
         planner = SafeLoadPlanner(safe_globals)
     local = not distributed or _plans_locally(planner)
     rank = dist.get_rank(process_group) if distributed else 0
+    coops: list[Cooperation] = []
+
+    def cooperation() -> Cooperation | None:  # one per pass, the same decision on every rank
+        if cooperative is False or not distributed or not local or dist.get_world_size(process_group) < 2:
+            return None
+        coops.append(Cooperation(DistChannel(process_group)))
+        return coops[-1]
+
+    def result() -> LoadResult:
+        return _result(path, rank, reader, coops, time.perf_counter() - t0)
+
     loaded: bool | None = False
     if use_index and local and storage.load_index and _index_planner(planner):
-        loaded = _via_index(state_dict, path, reader, planner, rank, process_group, distributed, storage)
+        loaded = _via_index(state_dict, path, reader, planner, rank, process_group, distributed, storage,
+                            cooperation())
         if loaded is None:
-            return
+            return result()
     error: Exception | None = None
     if not local:
         reader.metadata = _metadata(path, distributed and read_metadata_once, process_group, storage_options)
         _dcp_load(state_dict, reader, planner, process_group)
-        return
+        return result()
+    coop = cooperation()
     try:
         if not loaded:
             reader.metadata = _metadata(path, distributed and read_metadata_once, process_group, storage_options)
-            error = _local(state_dict, reader, planner, rank, None)
+            error = _local(state_dict, reader, planner, rank, None, coop)
         elif read_metadata_once:  # the broadcast is a collective: take part, parse nothing
             _share_metadata(path, process_group, storage_options)
     except Exception as e:  # noqa: BLE001 - every rank learns it below, then raises it
         error = e
+    _take_part(coop, failed=error is not None)  # loaded already, or failed before reading
     if distributed:
         error = _agree(error, process_group)
     if error is not None:
         raise error
+    return result()
+
+
+def _result(path: str | os.PathLike, rank: int, reader: SafeFileSystemReader, coops: Sequence[Cooperation],
+            seconds: float) -> LoadResult:
+    """This rank's :class:`LoadResult` of a load from ``path``."""
+    own = reader.last_read_stats or ReadStats()
+    shared = [c.stats for c in coops]
+    return LoadResult(
+        os.fspath(path), rank=rank,
+        bytes_read=own.bytes_read + sum(c.bytes_read for c in shared),
+        bytes_received=sum(c.bytes_received for c in shared), bytes_sent=sum(c.bytes_sent for c in shared),
+        files_opened=own.files + sum(c.files_opened for c in shared),
+        shared_ranges=max((c.shared_ranges for c in shared), default=0), rounds=sum(c.rounds for c in shared),
+        seconds={"total": seconds,
+                 "read": max(0.0, reader.last_read_seconds - sum(c.seconds_read + c.seconds_exchange + c.seconds_decode
+                                                                  for c in shared)),
+                 "shared_read": sum(c.seconds_read for c in shared),
+                 "exchange": sum(c.seconds_exchange for c in shared),
+                 "shared_decode": sum(c.seconds_decode for c in shared)})
 
 
 def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: SafeFileSystemReader, planner: Any,
-               rank: int, process_group: Any, distributed: bool, storage: Storage) -> bool | None:
+               rank: int, process_group: Any, distributed: bool, storage: Storage,
+               coop: Cooperation | None = None) -> bool | None:
     """Load through this rank's load index, if it has a usable one, then agree: ``None`` when
     the load is complete on every rank; otherwise whether this rank loaded (some rank had no
     usable index: the ``.metadata`` path follows on every rank). Raises the agreed error."""
@@ -444,18 +537,20 @@ def _via_index(state_dict: dict[str, Any], path: str | os.PathLike, reader: Safe
     idx = _open_index(reader.path if not storage.local_files else path, storage)
     if idx is not None:
         try:
-            error, loaded = _local(state_dict, reader, planner, rank, idx), True
+            error, loaded = _local(state_dict, reader, planner, rank, idx, coop), True
         finally:
             idx.close()
         if isinstance(error, IndexUnusable):  # found while looking up this rank's entries: before any read
             log.warning("solosave.load: not using the load index: %s; reading the whole %s", error, METADATA_FILE)
             error, loaded = None, False
-        elif error is not None and _index_disagrees(path, storage):
+        elif error is not None and not isinstance(error, FailedElsewhere) and _index_disagrees(path, storage):
             # an index that disagrees with its own .metadata (a size, an offset) fails as if the
             # data were bad: .metadata settles it (where they agree, the error stands)
             log.warning("solosave.load: the load index of %s disagrees with its %s (%s); reading the whole %s",
                         os.fspath(path), METADATA_FILE, error, METADATA_FILE)
             error, loaded = None, False
+    else:
+        _take_part(coop, failed=False)  # no usable index here: this rank reads in the next pass
     if not distributed:
         if error is not None:
             raise error
@@ -514,13 +609,21 @@ def _metadata(path: str | os.PathLike, once: bool, process_group: Any,
 
 
 def _local(state_dict: dict[str, Any], reader: SafeFileSystemReader, planner: Any, rank: int,
-           idx: LoadIndex | None) -> Exception | None:
-    """:func:`_load_local`, its error returned (every rank learns it before any raises)."""
+           idx: LoadIndex | None, coop: Cooperation | None = None) -> Exception | None:
+    """:func:`_load_local`, its error returned (every rank learns it before any raises). With
+    ``coop``, this rank takes part in that cooperative load once, whatever happens: through its
+    read, or, where it failed before reading, as a failed rank (an unusable index: as one that
+    reads nothing in this pass, since it will load from ``.metadata`` next)."""
+    reader.cooperation = coop
     try:
         with gc_paused():
             _load_local(state_dict, reader, planner, rank, idx)
     except Exception as e:  # noqa: BLE001 - every rank learns it, then raises it
+        _take_part(coop, failed=not isinstance(e, IndexUnusable))
         return e
+    finally:
+        reader.cooperation = None
+    _take_part(coop, failed=False)
     return None
 
 
@@ -611,7 +714,7 @@ def _agree(error: Exception | None, process_group: Any, known_failed: bool = Fal
     failed = sorted(ch.agree_ok(mine, known_failed).items())
     if not failed:
         return None
-    rank, exc = min(failed, key=lambda f: (not isinstance(f[1], _OURS), f[0]))
+    rank, exc = min(failed, key=lambda f: (isinstance(f[1], FailedElsewhere), not isinstance(f[1], _OURS), f[0]))
     return error if rank == ch.rank else exc
 
 

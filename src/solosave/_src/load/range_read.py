@@ -33,7 +33,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.autograd.graph import increment_version
@@ -51,6 +51,9 @@ from solosave._src.load.read_path import (
 )
 from solosave._src.load.whole_reads import WholeRead
 from solosave._src.storage.base import Storage
+
+if TYPE_CHECKING:
+    from solosave._src.load.cooperative import Cooperation
 
 #: Ranged reads in flight at once.
 CONCURRENCY = 16
@@ -227,15 +230,47 @@ class _RangeLoader(_Loader):
         super()._queue(q)
 
 
+class _StorageRanges:
+    """The ``fetch`` of a cooperative load on a storage: a range in concurrent parts of
+    ``PART_BYTES``, straight into the buffer."""
+
+    def __init__(self, storage: Storage, directory: str, pool: ThreadPoolExecutor) -> None:
+        self.storage, self.directory, self.pool = storage, directory, pool
+        self._seen: set[str] = set()
+
+    def __call__(self, rel: str, offset: int, into: Any) -> bool:
+        path = self.storage.join(self.directory, rel)
+        address, n = into.data_ptr(), into.numel()
+        parts = [self.pool.submit(self._part, path, offset + at, _view(address + at, min(PART_BYTES, n - at)))
+                 for at in range(0, n, PART_BYTES)]
+        errors = [e for f in parts if (e := f.exception()) is not None]  # every part done: none writes on
+        if errors:
+            raise errors[0]
+        opened = rel not in self._seen
+        self._seen.add(rel)
+        return opened
+
+    def _part(self, path: str, offset: int, out: memoryview) -> None:
+        got = self.storage.read_range_into(path, offset, out)
+        if got != len(out):
+            raise CorruptCheckpointError(f"{path} ended at byte {offset + got}, inside a record (it changed "
+                                         "while being loaded)")
+
+
 def read_items_by_ranges(storage: Storage, directory: str, items: Sequence[Any], storage_data: Mapping[Any, Any],
                          planner: Any, whole: Sequence[tuple[WholeRead, Any]] = (),
-                         concurrency: int = CONCURRENCY) -> ReadStats:
+                         concurrency: int = CONCURRENCY, cooperation: Cooperation | None = None) -> ReadStats:
     """Load every DCP ``ReadItem`` of ``items`` and every ``(WholeRead, storage entry)`` of
-    ``whole`` from the data files of ``directory`` on ``storage`` (see the module docstring)."""
+    ``whole`` from the data files of ``directory`` on ``storage`` (see the module docstring).
+    With ``cooperation``, ranges that several ranks need first, as in
+    :func:`~solosave._src.load.read_path.read_items`."""
     with ThreadPoolExecutor(max(concurrency, 1), thread_name_prefix="solosave-read") as pool:
         loader = _RangeLoader(planner, storage, directory, pool)
+        files = _records_by_file(items, storage_data, whole)
         try:
-            loader.load(_records_by_file(items, storage_data, whole))
+            if cooperation is not None:
+                files = cooperation.run(files, _StorageRanges(storage, directory, pool), loader.decode_in_memory)
+            loader.load(files)
         except BaseException:
             loader._queued = []  # nothing more is read into the targets
             raise

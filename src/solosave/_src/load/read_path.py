@@ -39,7 +39,7 @@ import os
 import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import increment_version
@@ -48,6 +48,9 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from solosave._src.core.errors import CorruptCheckpointError, UnsafeMetadataError
 from solosave._src.formats.record_reader import RecordCache, Region, TensorLayout, parse_tensor_record
 from solosave._src.load.whole_reads import WholeRead, keeps_default
+
+if TYPE_CHECKING:
+    from solosave._src.load.cooperative import Cooperation
 
 #: A tensor record at least this long is read on its own, its payload straight into the target.
 #: Below it, copying from a coalesced span costs less than the record's own three reads.
@@ -314,6 +317,12 @@ class _Loader:
         for rec in span:
             self._record(rec, _SpanRecord(view, address, rec.offset - start, rec.length))
 
+    def decode_in_memory(self, rec: _Record, data: torch.Tensor) -> None:
+        """Decode ``rec`` from ``data``, its bytes (a cooperative load delivered or read them)."""
+        address = data.data_ptr()
+        view = memoryview((ctypes.c_char * rec.length).from_address(address)).cast("B")
+        self._record(rec, _SpanRecord(view, address, 0, rec.length))
+
     def _record(self, rec: _Record, src: _FileRecord | _SpanRecord) -> None:
         if not rec.is_tensor:
             data = src.whole()
@@ -418,13 +427,45 @@ def damaged_record(fqn: str, e: BaseException) -> CorruptCheckpointError:
         "earlier checkpoint; `solosave verify` lists every problem.", [f"{fqn}: {type(e).__name__}: {first}"])
 
 
+class LocalRanges:
+    """The ``fetch`` of a cooperative load (:meth:`~solosave._src.load.cooperative.Cooperation.run`)
+    on local files: a range read straight into the buffer; one descriptor per file, kept open
+    until :meth:`close`."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = os.fspath(directory)
+        self._fds: dict[str, int] = {}
+
+    def __call__(self, rel: str, offset: int, into: torch.Tensor) -> bool:
+        opened = rel not in self._fds
+        if opened:
+            self._fds[rel] = os.open(os.path.join(self.directory, rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        _pread_into(self._fds[rel], into.data_ptr(), into.numel(), offset, ReadStats())
+        return opened
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 def read_items(directory: str | os.PathLike, items: Sequence[Any], storage_data: Mapping[Any, Any],
-               planner: Any, whole: Sequence[tuple[WholeRead, Any]] = ()) -> ReadStats:
+               planner: Any, whole: Sequence[tuple[WholeRead, Any]] = (), cooperation: Cooperation | None = None
+               ) -> ReadStats:
     """Load every DCP ``ReadItem`` of ``items`` from the data files of ``directory`` into
     ``planner``'s targets, and every ``(WholeRead, storage entry)`` of ``whole`` into its own
-    target, in one pass per file (see the module docstring); returns what was done."""
+    target, in one pass per file (see the module docstring); returns what was done. With
+    ``cooperation`` (every rank of the load, :mod:`solosave._src.load.cooperative`), the ranges
+    that several ranks need are read by one of them and delivered to the others first."""
     loader = _Loader(planner)
-    for rel, records in sorted(_records_by_file(items, storage_data, whole).items()):
+    files = _records_by_file(items, storage_data, whole)
+    if cooperation is not None:
+        fetch = LocalRanges(directory)
+        try:
+            files = cooperation.run(files, fetch, loader.decode_in_memory)
+        finally:
+            fetch.close()
+    for rel, records in sorted(files.items()):
         fd = os.open(os.path.join(os.fspath(directory), rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             loader.file(fd, records)

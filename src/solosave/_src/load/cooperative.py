@@ -1,0 +1,246 @@
+"""Cooperative reads of a load: a byte range that several ranks need is read from storage by
+one of them and delivered to the others over the process group, so the job reads each byte of
+the checkpoint once (replicas: DDP, HSDP, FSDP2 with replicas, Megatron's DP groups; and
+resharding, where one saved chunk feeds several ranks).
+
+Who calls what. Every rank of the load's process group, once per load pass, calls exactly one
+of :meth:`Cooperation.run` (it is about to read: its records by file), :meth:`Cooperation.stand_aside`
+(it reads nothing in this pass, or reads through DCP's own path) or :meth:`Cooperation.abstain`
+(it failed before reading). In order, on every rank:
+
+1. the sketch (:mod:`solosave._src.coordination.sketch`): one ``all_reduce(SUM)`` of 4,097
+   int32 counters over the keys ``(file, offset, length)`` of this rank's records of at least
+   :data:`SHARE_MIN` bytes. A rank that failed is counted in the last slot: then every rank
+   stops here (:class:`~solosave._src.core.errors.FailedElsewhere`; the load's own agreement
+   then raises the failing rank's error on every rank). No bucket above one proves that no
+   range is shared: each rank reads its own records and nothing else happens here. **That is
+   the rule of "when it pays"**: only ranges of at least ``SHARE_MIN`` bytes that two or more
+   ranks need are shared; a smaller one is read by each rank that needs it (it rides in a
+   coalesced read anyway);
+2. one ``all_gather_object`` of each rank's host name and candidate keys (those in buckets of
+   two or more), from which every rank computes the same plan (:func:`assign_readers`): for each
+   range needed by two or more ranks, the reader is the needing rank with the fewest bytes so far
+   on its host, then on itself (ranges by decreasing size, after each rank's unshared ranges are
+   counted), so that reads spread over hosts (their NICs) first, then over ranks;
+3. rounds (:func:`plan_rounds`): in each, a rank reads or receives at most :data:`WINDOW` bytes
+   (a range larger than that has a round to itself), which bounds the memory a load adds. In each
+   round the readers read their ranges into buffers, the ranks agree (one 8-byte ``all_reduce``)
+   that every read succeeded, and only then the buffers travel (:meth:`Channel.transfer`:
+   point-to-point sends and receives, NCCL through the GPU, gloo on CPU, each wait bounded by
+   the channel's timeout), and every rank decodes the ranges it needs from memory into its
+   targets. A read that failed fails the round on every rank before any message is sent: no
+   rank waits in a transfer for a reader that gave up. A record that fails to decode (damaged
+   bytes: :class:`~solosave.CorruptCheckpointError` naming the key) is raised after the last
+   round, so that this rank still serves the others.
+
+What remains of each rank's records (its unshared ones) is read by the caller as before.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from solosave._src.coordination.channel import Channel
+from solosave._src.coordination.sketch import Key, any_shared, candidates, failed_ranks, sketch_of
+from solosave._src.core.errors import FailedElsewhere
+
+__all__ = ["SHARE_MIN", "WINDOW", "CoopStats", "Cooperation", "assign_readers", "plan_rounds"]
+
+#: Shortest range a load shares (smaller ones: each rank reads its own).
+SHARE_MIN = 64 << 10
+#: Bytes a rank reads or receives per round (its extra memory, unless one range is larger).
+WINDOW = 256 << 20
+
+
+@dataclass
+class CoopStats:
+    """What the cooperation of one load pass did on this rank."""
+
+    shared_ranges: int = 0       # ranges needed by two or more ranks (the whole job)
+    bytes_read: int = 0          # this rank's reads of shared ranges from storage
+    bytes_received: int = 0      # shared ranges delivered to this rank by their readers
+    bytes_sent: int = 0
+    files_opened: int = 0
+    rounds: int = 0
+    seconds_read: float = 0.0
+    seconds_exchange: float = 0.0
+    seconds_decode: float = 0.0
+
+
+def assign_readers(needs: Sequence[tuple[str, Sequence[Key]]],
+                   unshared: Sequence[int] = ()) -> dict[Key, tuple[int, tuple[int, ...]]]:
+    """``needs[r]``: rank ``r``'s host and the keys it needs; ``unshared[r]``: the bytes rank
+    ``r`` reads alone. Returns, for each key needed by two or more ranks, its reader and the
+    ranks it is delivered to (the same on every rank: see the module docstring)."""
+    who: dict[Key, list[int]] = defaultdict(list)
+    for r, (_, keys) in enumerate(needs):
+        for k in set(keys):
+            who[k].append(r)
+    rank_bytes = [unshared[r] if r < len(unshared) else 0 for r in range(len(needs))]
+    for k, rs in who.items():
+        if len(rs) == 1:  # a candidate no other rank needs: read alone
+            rank_bytes[rs[0]] += k[2]
+    host_bytes: dict[str, int] = defaultdict(int)
+    for r, (host, _) in enumerate(needs):
+        host_bytes[host] += rank_bytes[r]
+    out: dict[Key, tuple[int, tuple[int, ...]]] = {}
+    for k in sorted((k for k, rs in who.items() if len(rs) > 1), key=lambda k: (-k[2], k)):
+        ranks = sorted(who[k])
+        reader = min(ranks, key=lambda r: (host_bytes[needs[r][0]], rank_bytes[r], r))
+        rank_bytes[reader] += k[2]
+        host_bytes[needs[reader][0]] += k[2]
+        out[k] = (reader, tuple(r for r in ranks if r != reader))
+    return out
+
+
+def plan_rounds(assignment: dict[Key, tuple[int, tuple[int, ...]]], window: int = WINDOW) -> list[list[Key]]:
+    """The shared keys in rounds, in which each rank reads or receives at most ``window`` bytes
+    (a larger key alone for its ranks): first fit, keys in (reader, file, offset) order."""
+    rounds: list[list[Key]] = []
+    load: list[dict[int, int]] = []
+    for k in sorted(assignment, key=lambda k: (assignment[k][0], k)):
+        reader, receivers = assignment[k]
+        ranks = (reader, *receivers)
+        i = next((j for j, used in enumerate(load)
+                  if all(used.get(r, 0) == 0 or used[r] + k[2] <= window for r in ranks)), len(rounds))
+        if i == len(rounds):
+            rounds.append([])
+            load.append({})
+        rounds[i].append(k)
+        for r in ranks:
+            load[i][r] = load[i].get(r, 0) + k[2]
+    return rounds
+
+
+class Cooperation:
+    """One load pass's cooperation on this rank (see the module docstring); ``channel``: the
+    load's process group; ``host``: this rank's host (default: its host name)."""
+
+    def __init__(self, channel: Channel, host: str | None = None, window: int = WINDOW,
+                 share_min: int = SHARE_MIN) -> None:
+        self.channel, self.window, self.share_min = channel, window, share_min
+        self.host = host if host is not None else socket.gethostname()
+        self.entered = False
+        self.stats = CoopStats()
+
+    def stand_aside(self) -> None:
+        """Take part without reading anything in this pass (every step of :meth:`run`, with no
+        range of its own: the others' rounds need this rank's agreements)."""
+        self.run({}, _nothing_to_fetch, _nothing_to_decode)
+
+    def abstain(self) -> None:
+        """Take part as a rank that failed before reading: every rank stops."""
+        self._sketch(None)
+
+    def run(self, files: dict[str, list[Any]], fetch: Callable[[str, int, torch.Tensor], bool],
+            decode: Callable[[Any, torch.Tensor], None]) -> dict[str, list[Any]]:
+        """``files``: this rank's records (``offset``, ``length``) by file. Reads and receives the
+        shared ones, decoding each with ``decode(record, bytes)``; ``fetch(file, offset, into)``
+        reads a range from storage (returns whether it opened a file). Returns the records left
+        for this rank to read alone."""
+        mine: dict[Key, list[Any]] = defaultdict(list)
+        for rel, records in files.items():
+            for rec in records:
+                mine[(rel, int(rec.offset), int(rec.length))].append(rec)
+        big = [k for k in mine if k[2] >= self.share_min]
+        summed = self._sketch(big)
+        if failed_ranks(summed):
+            if not files:  # standing aside: nothing of this rank's failed
+                return files
+            raise FailedElsewhere(f"{failed_ranks(summed)} rank(s) of the load failed before reading")
+        if not any_shared(summed):
+            return files
+        maybe = candidates(big, summed)
+        alone = sum(k[2] for k in mine) - sum(k[2] for k in maybe)
+        gathered = self.channel.all_gather_object((self.host, alone, maybe))
+        assignment = assign_readers([(host, keys) for host, _, keys in gathered], [n for _, n, _ in gathered])
+        if not assignment:
+            return files
+        self.stats.shared_ranges = len(assignment)
+        error = self._rounds(plan_rounds(assignment, self.window), assignment, mine, fetch, decode)
+        if error is not None:
+            raise error
+        shared = set(assignment)
+        return {rel: kept for rel, records in files.items()
+                if (kept := [r for r in records if (rel, int(r.offset), int(r.length)) not in shared])}
+
+    # -- steps ------------------------------------------------------------------------------------
+    def _sketch(self, keys: Sequence[Key] | None) -> list[int]:
+        if self.entered:
+            raise AssertionError("internal: a rank took part twice in one cooperative load")
+        self.entered = True
+        return self.channel.all_reduce_sum(sketch_of(keys))
+
+    def _rounds(self, rounds: list[list[Key]], assignment: dict[Key, tuple[int, tuple[int, ...]]],
+                mine: dict[Key, list[Any]], fetch: Callable[[str, int, torch.Tensor], bool],
+                decode: Callable[[Any, torch.Tensor], None]) -> Exception | None:
+        me, st = self.channel.rank, self.stats
+        late: Exception | None = None  # a decoding error: raised once this rank served every round
+        for keys in rounds:
+            st.rounds += 1
+            t0 = time.perf_counter()
+            held: dict[Key, torch.Tensor] = {}
+            error: Exception | None = None
+            try:
+                for k in keys:
+                    if assignment[k][0] == me:
+                        buf = torch.empty(k[2], dtype=torch.uint8)
+                        st.files_opened += bool(fetch(k[0], k[1], buf))
+                        st.bytes_read += k[2]
+                        held[k] = buf
+            except Exception as e:  # noqa: BLE001 - agreed below: every rank stops, none sends
+                error = e
+            t1 = time.perf_counter()
+            st.seconds_read += t1 - t0
+            failed = self.channel.agree_ok(None if error is None else _portable(error))
+            if failed:
+                if error is not None:
+                    raise error
+                rank, why = min(failed.items())
+                raise FailedElsewhere(f"rank {rank} could not read its share of the cooperative load: {why}")
+            sends = [(dst, held[k]) for k in keys if assignment[k][0] == me for dst in assignment[k][1]]
+            recvs = []
+            for k in keys:
+                reader, receivers = assignment[k]
+                if me in receivers:
+                    held[k] = torch.empty(k[2], dtype=torch.uint8)
+                    recvs.append((reader, held[k]))
+            self.channel.transfer(sends, recvs)
+            st.bytes_sent += sum(t.numel() for _, t in sends)
+            st.bytes_received += sum(t.numel() for _, t in recvs)
+            t2 = time.perf_counter()
+            st.seconds_exchange += t2 - t1
+            if late is None:
+                try:
+                    for k, buf in held.items():
+                        for rec in mine.get(k, ()):
+                            decode(rec, buf)
+                except Exception as e:  # noqa: BLE001 - raised after the last round (see above)
+                    late = e
+            st.seconds_decode += time.perf_counter() - t2
+        return late
+
+
+def _portable(error: Exception) -> Any:
+    """``error`` if it survives pickling (it travels to the other ranks), else its text."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any exception that does not travel
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _nothing_to_fetch(rel: str, offset: int, into: torch.Tensor) -> bool:
+    raise AssertionError("internal: a rank standing aside was given a range to read")
+
+
+def _nothing_to_decode(rec: Any, data: torch.Tensor) -> None:
+    raise AssertionError("internal: a rank standing aside was given a range to decode")

@@ -1,0 +1,139 @@
+"""Rank functions of the cooperative-load tests (module-level: spawned processes import them).
+
+The state: three tensors sharded by rows (``Shard(0)``) whose saved chunks are at least 64 KiB
+(so that a load shares them). Saved at W = 2 or 4 over a 1-d mesh; loaded at W = 4 as 2
+replicas x 2 shards (a 2-d mesh, ``[Replicate(), Shard(0)]``), or resharded over a 1-d mesh.
+Bytes read from the data files are counted independently of the library: ``os.preadv`` and
+``os.pread`` are wrapped in this process and count what they return for descriptors open on a
+``.distcp`` file.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import solosave
+
+SHAPES = {"w0": ((512, 256), torch.float32), "w1": ((1024, 96), torch.bfloat16), "e": ((2048, 64), torch.int8)}
+
+
+def values() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    out = {}
+    for k, (shape, dt) in SHAPES.items():
+        out[k] = (torch.randn(shape, generator=g).to(dt) if dt.is_floating_point
+                  else torch.randint(-100, 100, shape, generator=g).to(dt))
+    return out
+
+
+def _state(ws: int, vals: dict[str, torch.Tensor], replicas: int = 1) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if replicas == 1:
+        mesh, placements = init_device_mesh("cpu", (ws,)), [Shard(0)]
+    else:
+        mesh = init_device_mesh("cpu", (replicas, ws // replicas), mesh_dim_names=("dp", "shard"))
+        placements = [Replicate(), Shard(0)]
+    return {k: distribute_tensor(v, mesh, placements) for k, v in vals.items()}
+
+
+def save(rank: int, ws: int, path: str) -> None:
+    with solosave.AsyncCheckpointer(worker="thread") as ckpt:
+        ckpt.save(_state(ws, values()), path).wait(timeout=60)
+
+
+@contextmanager
+def counting_distcp_reads() -> Any:
+    """Count the bytes ``os.preadv`` / ``os.pread`` return for ``.distcp`` files (yields a
+    one-element list holding the count)."""
+    count = [0]
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def is_data(fd: int) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp")
+        except OSError:
+            return False
+
+    def preadv(fd: int, buffers: Any, offset: int, *a: Any) -> int:
+        got = real_preadv(fd, buffers, offset, *a)
+        if is_data(fd):
+            count[0] += got
+        return got
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        got = real_pread(fd, n, offset)
+        if is_data(fd):
+            count[0] += len(got)
+        return got
+
+    with mock.patch.object(os, "preadv", preadv), mock.patch.object(os, "pread", pread):
+        yield count
+
+
+def _calls() -> Any:
+    names: list[str] = []
+    real = {n: getattr(dist, n) for n in ("all_reduce", "all_gather_object", "broadcast_object_list")}
+
+    def wrap(name: str) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            names.append(name)
+            return real[name](*a, **k)
+        return wrapped
+
+    patches = [mock.patch.object(dist, n, wrap(n)) for n in real]
+    return names, patches
+
+
+def load(rank: int, ws: int, path: str, replicas: int, cooperative: bool | None) -> dict:
+    """Load ``path`` at this world size (``replicas`` x shards), with solosave (cooperative or
+    not) and with stock ``dcp.load``: what came back, what was read, which collectives ran."""
+    want = values()
+    got = _state(ws, {k: torch.zeros_like(v) for k, v in want.items()}, replicas)
+    names, patches = _calls()
+    with counting_distcp_reads() as counted:
+        for p in patches:
+            p.start()
+        try:
+            result = solosave.load(got, path, cooperative=cooperative)
+        finally:
+            for p in patches:
+                p.stop()
+    ok = all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES)
+    stock = _state(ws, {k: torch.zeros_like(v) for k, v in want.items()}, replicas)
+    dcp.load(stock, checkpoint_id=path)
+    same_as_stock = all(torch.equal(got[k].to_local(), stock[k].to_local()) for k in SHAPES)
+    return {"ok": ok, "same_as_stock": same_as_stock, "counted": counted[0], "result": result.as_dict(),
+            "is_str": isinstance(result, str) and result == path, "calls": names}
+
+
+def load_failing(rank: int, ws: int, path: str, replicas: int, failing_rank: int, how: str) -> str:
+    """Load ``path`` cooperatively where ``failing_rank`` cannot read its share (``how``:
+    ``"read"``: its storage read raises) or this rank's copy of a record is damaged (``how``:
+    ``"damaged"``: the file was damaged by the test before); returns the error every rank raised."""
+    from solosave._src.load import read_path
+
+    got = _state(ws, {k: torch.zeros_like(v) for k, v in values().items()}, replicas)
+
+    def refuse(self: Any, rel: str, offset: int, into: torch.Tensor) -> bool:
+        raise OSError(f"injected read failure on rank {rank} ({rel} at {offset})")
+
+    patch = mock.patch.object(read_path.LocalRanges, "__call__", refuse)
+    if how == "read" and rank == failing_rank:
+        patch.start()
+    try:
+        solosave.load(got, path, cooperative=False if how.endswith("/alone") else None)
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return f"{type(e).__name__}: {e}"
+    finally:
+        if how == "read" and rank == failing_rank:
+            patch.stop()
+    return "loaded"
