@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import coop_load as coop_bench
 from . import lightning_saves as lightning_bench
 from . import limits as limits_bench
 from . import load as load_bench
@@ -33,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=(
         "solosave vs torch.distributed.checkpoint: saves on local ranks side by side, physical "
         "limits, and a scale simulation of the coordinator's work up to W=16384."))
-    p.add_argument("--only", choices=("all", "save", "limits", "load", "scale", "s3", "lightning", "tiers",
+    p.add_argument("--only", choices=("all", "save", "limits", "load", "coop", "scale", "s3", "lightning", "tiers",
                                       "megatron", "placement", "peers"), default="all",
                    help="which part to run (s3: saves to s3:// on a local server; lightning: a Lightning fit with "
                         "its own strategy and with solosave's; tiers: a fast tier against s3:// on a local "
@@ -54,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-max-w", type=int, default=16384, help="largest simulated world size (default 16384)")
     p.add_argument("--dcp-max-w", type=int, default=4096,
                    help="largest world size simulated for stock DCP (default 4096; it takes minutes there)")
+    p.add_argument("--coop-mib", type=int, default=256,
+                   help="load / coop: size of the checkpoint the cooperative-load cases load (MiB)")
     p.add_argument("--solosave-only", action="store_true", help="scale: simulate solosave only, not stock DCP")
     p.add_argument("--json", default=None, metavar="OUT.json",
                    help="also write the scale figures per world size to this file ({'scale': [...]})")
@@ -85,7 +88,8 @@ def _machine() -> dict[str, Any]:
 #: Each part of the report: how its table is printed and its plots drawn (in this order).
 _PRINTERS = {"save": (rep.print_save, rep.plot_save), "scale": (rep.print_scale, rep.plot_scale),
              "limits": (limits_bench.print_limits, limits_bench.plot_limits),
-             "load": (load_bench.print_load, load_bench.plot_load), "s3": (s3_bench.print_s3, s3_bench.plot_s3),
+             "load": (load_bench.print_load, load_bench.plot_load),
+             "coop": (coop_bench.print_coop, coop_bench.plot_coop), "s3": (s3_bench.print_s3, s3_bench.plot_s3),
              "lightning": (lightning_bench.print_lightning, lightning_bench.plot_lightning),
              "tiers": (tiers_bench.print_tiers, tiers_bench.plot_tiers),
              "megatron": (megatron_bench.print_megatron, megatron_bench.plot_megatron),
@@ -154,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         steps += scale_steps(scale_cfg)
     if args.only in ("all", "load"):
         steps += len(load_bench.CASES)
+    if args.only in ("all", "load", "coop"):
+        steps += len(coop_bench.CASES) * len(coop_bench.STORAGES)
     if args.only in ("all", "limits"):
         steps += len(limits_bench.CASES) * (1 + len(limits_bench.MODES))
     steps += args.only == "s3"
@@ -174,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         load_cfg = {"world_size": 2, "reps": 3 if args.quick else args.load_reps, "timeout": args.timeout,
                     "methods": list(load_bench.METHODS)}
         report["load"] = load_bench.run_load_bench(load_cfg, out, progress)
+    if args.only in ("all", "load", "coop"):
+        coop_cfg = {"total_mib": 64 if args.quick else args.coop_mib, "reps": 2 if args.quick else min(args.load_reps, 5),
+                    "timeout": args.timeout, "methods": list(coop_bench.METHODS),
+                    "storages": list(coop_bench.STORAGES)}
+        report["coop"] = coop_bench.run_coop_bench(coop_cfg, out, progress)
     if args.only in ("all", "limits"):
         limits_cfg = {"saves": args.saves, "warmup": min(args.warmup, args.saves), "timeout": args.timeout}
         report["limits"] = limits_bench.run_limits_bench(limits_cfg, out, progress)

@@ -6,6 +6,10 @@ whole launch is bounded: past ``timeout`` seconds (or when a rank process dies w
 result), every rank process still alive is killed, so no launch leaves a process behind. Once a rank has failed, the others get
 ``AFTER_FAILURE_S`` more seconds (they may be waiting for it in a collective). ``fn``
 must be a module-level function (it is pickled into the spawned interpreters).
+
+``counting_distcp_reads()`` (in a rank): counts the bytes of ``.distcp`` files read with
+``os.preadv``/``os.pread`` meanwhile, independently of solosave's own figures (the load
+benchmark and the cooperative-load tests compare the two).
 """
 
 from __future__ import annotations
@@ -153,3 +157,34 @@ def local_part(t: Any) -> Any:
 
 
 __all__ = ["fsdp_shards", "free_port", "local_part", "run_ranks"]
+
+
+@contextlib.contextmanager
+def counting_distcp_reads() -> Any:
+    """Count the bytes ``os.preadv`` / ``os.pread`` return for ``.distcp`` files (yields a
+    one-element list holding the count)."""
+    count = [0]
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def is_data(fd: int) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp")
+        except OSError:
+            return False
+
+    def preadv(fd: int, buffers: Any, offset: int, *a: Any) -> int:
+        got = real_preadv(fd, buffers, offset, *a)
+        if is_data(fd):
+            count[0] += got
+        return got
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        got = real_pread(fd, n, offset)
+        if is_data(fd):
+            count[0] += len(got)
+        return got
+
+    from unittest import mock
+
+    with mock.patch.object(os, "preadv", preadv), mock.patch.object(os, "pread", pread):
+        yield count

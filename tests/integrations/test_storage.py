@@ -258,3 +258,28 @@ def test_two_tiers_with_the_durable_tier_on_s3(s3, tmp_path):
         assert r["loaded_from"] == f"{durable}/iter_0000002" and r["ranged"]
         assert r["verify"] == (True, "matches")  # the re-pointed index, read by ranges
         assert r["point"] == (2, f"{durable}/iter_0000002")
+
+
+@pytest.mark.timeout(300)
+def test_a_replicated_load_from_a_url_reads_each_byte_once(s3, tmp_path, case_log):
+    import s3fs
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.multiproc import coop_fns
+
+    local = str(tmp_path / "ck")
+    run_ranks(coop_fns.save, 2, local, timeout=100)
+    bucket = f"coop-{uuid.uuid4().hex[:8]}"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir(bucket)
+    for name in os.listdir(local):
+        fs.put_file(os.path.join(local, name), f"{bucket}/ck/{name}")
+    unique = sum(int(i.length) for i in FileSystemReader(local).read_metadata().storage_data.values())
+    out = run_ranks(coop_fns.load, 4, f"s3://{bucket}/ck", 2, None, local, env=s3[1], timeout=240)
+    for o in out:
+        assert o["ok"] and o["same_as_stock"], o
+        assert o["result"]["shared_ranges"] == 6, o["result"]
+    assert sum(o["result"]["bytes_read"] for o in out) == unique
+    assert sum(o["result"]["bytes_received"] for o in out) == unique
+    case_log("a checkpoint on S3 loaded at W=4 as 2 replicas x 2 shards (cooperative by default on a URL)",
+             f"the ranks read {unique} bytes in all, the checkpoint's bytes once (1.00x); bit-exact")

@@ -5,6 +5,7 @@ CLI subcommands on the checkpoints it produced."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,6 +79,7 @@ def test_resume_bit_for_bit_ignoring_partial(run_a, tmp_path):
               "--json-log", tmp_path / "b.jsonl", torchrun=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed from" in r.stdout and "iter_0000004" in r.stdout
+    assert re.search(r"load: rank 0 loaded \S+iter_0000004 in [0-9.]+ s: read [0-9.]+ MiB from \d+ files", r.stdout)
     original = {s["step"]: s["loss"] for s in records(d / "log.jsonl", "step")}
     resumed = {s["step"]: s["loss"] for s in records(tmp_path / "b.jsonl", "step")}
     assert sorted(resumed) == [5, 6, 7, 8]

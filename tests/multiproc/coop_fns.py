@@ -3,15 +3,13 @@
 The state: three tensors sharded by rows (``Shard(0)``) whose saved chunks are at least 64 KiB
 (so that a load shares them). Saved at W = 2 or 4 over a 1-d mesh; loaded at W = 4 as 2
 replicas x 2 shards (a 2-d mesh, ``[Replicate(), Shard(0)]``), or resharded over a 1-d mesh.
-Bytes read from the data files are counted independently of the library: ``os.preadv`` and
-``os.pread`` are wrapped in this process and count what they return for descriptors open on a
-``.distcp`` file.
+Bytes read from the data files are counted independently of the library
+(``benchmarks.ranks.counting_distcp_reads``: ``os.preadv`` and ``os.pread`` wrapped in the rank's
+process, counting what they return for descriptors open on a ``.distcp`` file).
 """
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
 from typing import Any
 from unittest import mock
 
@@ -20,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import solosave
+from benchmarks.ranks import counting_distcp_reads
 
 SHAPES = {"w0": ((512, 256), torch.float32), "w1": ((1024, 96), torch.bfloat16), "e": ((2048, 64), torch.int8)}
 
@@ -50,35 +49,6 @@ def save(rank: int, ws: int, path: str) -> None:
         ckpt.save(_state(ws, values()), path).wait(timeout=60)
 
 
-@contextmanager
-def counting_distcp_reads() -> Any:
-    """Count the bytes ``os.preadv`` / ``os.pread`` return for ``.distcp`` files (yields a
-    one-element list holding the count)."""
-    count = [0]
-    real_preadv, real_pread = os.preadv, os.pread
-
-    def is_data(fd: int) -> bool:
-        try:
-            return os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp")
-        except OSError:
-            return False
-
-    def preadv(fd: int, buffers: Any, offset: int, *a: Any) -> int:
-        got = real_preadv(fd, buffers, offset, *a)
-        if is_data(fd):
-            count[0] += got
-        return got
-
-    def pread(fd: int, n: int, offset: int) -> bytes:
-        got = real_pread(fd, n, offset)
-        if is_data(fd):
-            count[0] += len(got)
-        return got
-
-    with mock.patch.object(os, "preadv", preadv), mock.patch.object(os, "pread", pread):
-        yield count
-
-
 def _calls() -> Any:
     names: list[str] = []
     real = {n: getattr(dist, n) for n in ("all_reduce", "all_gather_object", "broadcast_object_list")}
@@ -93,9 +63,10 @@ def _calls() -> Any:
     return names, patches
 
 
-def load(rank: int, ws: int, path: str, replicas: int, cooperative: bool | None) -> dict:
+def load(rank: int, ws: int, path: str, replicas: int, cooperative: bool | None, stock_path: str = "") -> dict:
     """Load ``path`` at this world size (``replicas`` x shards), with solosave (cooperative or
-    not) and with stock ``dcp.load``: what came back, what was read, which collectives ran."""
+    not) and with stock ``dcp.load`` (from ``stock_path``, default ``path``): what came back, what
+    was read, which collectives ran."""
     want = values()
     got = _state(ws, {k: torch.zeros_like(v) for k, v in want.items()}, replicas)
     names, patches = _calls()
@@ -109,7 +80,7 @@ def load(rank: int, ws: int, path: str, replicas: int, cooperative: bool | None)
                 p.stop()
     ok = all(torch.equal(got[k].full_tensor(), want[k]) for k in SHAPES)
     stock = _state(ws, {k: torch.zeros_like(v) for k, v in want.items()}, replicas)
-    dcp.load(stock, checkpoint_id=path)
+    dcp.load(stock, checkpoint_id=stock_path or path)
     same_as_stock = all(torch.equal(got[k].to_local(), stock[k].to_local()) for k in SHAPES)
     return {"ok": ok, "same_as_stock": same_as_stock, "counted": counted[0], "result": result.as_dict(),
             "is_str": isinstance(result, str) and result == path, "calls": names}
@@ -130,7 +101,7 @@ def load_failing(rank: int, ws: int, path: str, replicas: int, failing_rank: int
     if how == "read" and rank == failing_rank:
         patch.start()
     try:
-        solosave.load(got, path, cooperative=False if how.endswith("/alone") else None)
+        solosave.load(got, path, cooperative=not how.endswith("/alone"))
     except Exception as e:  # noqa: BLE001 - what each rank raised is the result
         return f"{type(e).__name__}: {e}"
     finally:

@@ -23,9 +23,10 @@ def test_replicas_read_each_byte_once_and_load_bit_exact(tmp_path, case_log):
     path = str(tmp_path / "ck")
     run_ranks(coop_fns.save, 2, path, timeout=100)
     unique = _unique_bytes(path)
-    coop = run_ranks(coop_fns.load, 4, path, 2, None, timeout=150)
+    coop = run_ranks(coop_fns.load, 4, path, 2, True, timeout=150)
     alone = run_ranks(coop_fns.load, 4, path, 2, False, timeout=150)
-    for out in coop + alone:
+    auto = run_ranks(coop_fns.load, 4, path, 2, None, timeout=150)
+    for out in coop + alone + auto:
         assert out["ok"] and out["same_as_stock"] and out["is_str"], out
     # the independent count (os.preadv/os.pread on .distcp files) and the library's agree
     assert sum(o["counted"] for o in coop) == unique
@@ -43,6 +44,9 @@ def test_replicas_read_each_byte_once_and_load_bit_exact(tmp_path, case_log):
     # agreement, then the load's own agreement (the index load has no .metadata broadcast)
     assert all(o["calls"] == ["all_reduce", "all_gather_object", "all_reduce", "all_reduce"] for o in coop), coop
     assert all(o["calls"] == ["all_reduce"] for o in alone), alone
+    # automatic, on local files and one host: the ranks share the host's page cache, so the
+    # sketch says "one host" and each rank reads its own (one more all_reduce than without)
+    assert all(o["result"]["shared_ranges"] == 0 and o["calls"] == ["all_reduce", "all_reduce"] for o in auto), auto
     case_log("a checkpoint saved at W=2 loaded at W=4 as 2 replicas x 2 shards",
              f"read from storage: {sum(o['counted'] for o in coop)} bytes = the checkpoint's {unique} (1.00x), "
              f"counted by wrapping os.preadv/os.pread; {sum(o['counted'] for o in alone)} without cooperation; "
@@ -54,8 +58,8 @@ def test_resharded_loads_share_the_chunks_they_split_and_are_bit_exact(tmp_path,
     two, four = str(tmp_path / "w2"), str(tmp_path / "w4")
     run_ranks(coop_fns.save, 2, two, timeout=100)
     run_ranks(coop_fns.save, 4, four, timeout=100)
-    up = run_ranks(coop_fns.load, 4, two, 1, None, timeout=150)  # each saved chunk feeds two ranks
-    down = run_ranks(coop_fns.load, 2, four, 1, None, timeout=150)  # each rank reads two whole chunks
+    up = run_ranks(coop_fns.load, 4, two, 1, True, timeout=150)  # each saved chunk feeds two ranks
+    down = run_ranks(coop_fns.load, 2, four, 1, True, timeout=150)  # each rank reads two whole chunks
     for out in up + down:
         assert out["ok"] and out["same_as_stock"], out
     assert sum(o["counted"] for o in up) == _unique_bytes(two)

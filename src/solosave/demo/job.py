@@ -136,7 +136,7 @@ def resume(args: argparse.Namespace, state: RankState) -> tuple[int, int]:
     t_load = time.perf_counter()
     fast = args.durable_root and os.path.dirname(os.path.normpath(point[1])) == os.path.normpath(args.load)
     hosts = peer_ranks_per_host(options_from_args(args), dist.get_world_size()) if fast else 0
-    solosave.load(sd, point[1], storage_options=args.storage_options, ranks_per_host=hosts)
+    result = solosave.load(sd, point[1], storage_options=args.storage_options, ranks_per_host=hosts)
     t_load = time.perf_counter() - t_load
     set_state_dict(state.train_model, state.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     step, position = int(sd["train"]["step"]), int(sd["train"]["data_position"])
@@ -153,6 +153,7 @@ def resume(args: argparse.Namespace, state: RankState) -> tuple[int, int]:
     if state.rank == 0:
         print(f"resumed from {point[1]} (step {step}) in {time.perf_counter() - t0:.2f} s "
               f"(solosave.load {t_load:.2f} s)", flush=True)
+        print(f"load: {result.summary()}", flush=True)
     return step, position
 
 

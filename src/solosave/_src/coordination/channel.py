@@ -141,7 +141,7 @@ class Channel:
         raise NotImplementedError
 
     def all_reduce_sum(self, values: list[int]) -> list[int]:
-        """The element-wise sum of ``values`` (int32 counters, the same length on every rank)
+        """The element-wise sum of ``values`` (int64 counters, the same length on every rank)
         over every rank: one ``all_reduce(SUM)`` (the sketch of a cooperative load,
         :mod:`solosave._src.coordination.sketch`)."""
         raise NotImplementedError
@@ -317,7 +317,7 @@ class DistChannel(Channel):
         return int(t.item())
 
     def all_reduce_sum(self, values: list[int]) -> list[int]:
-        t = torch.tensor(values, dtype=torch.int32)
+        t = torch.tensor(values, dtype=torch.int64)
         staged = _device_of(self.group)
         box = t if staged is None else t.to(staged)
         t0 = time.perf_counter()

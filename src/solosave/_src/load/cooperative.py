@@ -8,15 +8,20 @@ of :meth:`Cooperation.run` (it is about to read: its records by file), :meth:`Co
 (it reads nothing in this pass, or reads through DCP's own path) or :meth:`Cooperation.abstain`
 (it failed before reading). In order, on every rank:
 
-1. the sketch (:mod:`solosave._src.coordination.sketch`): one ``all_reduce(SUM)`` of 4,097
-   int32 counters over the keys ``(file, offset, length)`` of this rank's records of at least
+1. the sketch (:mod:`solosave._src.coordination.sketch`): one ``all_reduce(SUM)`` of 4,099
+   int64 counters over the keys ``(file, offset, length)`` of this rank's records of at least
    :data:`SHARE_MIN` bytes. A rank that failed is counted in the last slot: then every rank
    stops here (:class:`~solosave._src.core.errors.FailedElsewhere`; the load's own agreement
    then raises the failing rank's error on every rank). No bucket above one proves that no
    range is shared: each rank reads its own records and nothing else happens here. **That is
    the rule of "when it pays"**: only ranges of at least ``SHARE_MIN`` bytes that two or more
-   ranks need are shared; a smaller one is read by each rank that needs it (it rides in a
-   coalesced read anyway);
+   ranks need are shared (a smaller one is read by each rank that needs it: it rides in a
+   coalesced read anyway), and, for a checkpoint on local files (``scope="hosts"``), only when
+   the job spans two or more hosts (the sketch says so too): ranks of one host that read the
+   same file share its pages in the host's page cache, so the file is read from the disk once
+   whatever they do, and delivering it over the process group only adds copies (measured:
+   docs/benchmarks.md, the cooperative-load section). On an object store (``scope="all"``),
+   every read is a request: ranges are shared between any ranks;
 2. one ``all_gather_object`` of each rank's host name and candidate keys (those in buckets of
    two or more), from which every rank computes the same plan (:func:`assign_readers`): for each
    range needed by two or more ranks, the reader is the needing rank with the fewest bytes so far
@@ -49,7 +54,7 @@ from typing import Any
 import torch
 
 from solosave._src.coordination.channel import Channel
-from solosave._src.coordination.sketch import Key, any_shared, candidates, failed_ranks, sketch_of
+from solosave._src.coordination.sketch import Key, any_shared, candidates, failed_ranks, hosts_differ, sketch_of
 from solosave._src.core.errors import FailedElsewhere
 
 __all__ = ["SHARE_MIN", "WINDOW", "CoopStats", "Cooperation", "assign_readers", "plan_rounds"]
@@ -122,11 +127,15 @@ def plan_rounds(assignment: dict[Key, tuple[int, tuple[int, ...]]], window: int 
 
 class Cooperation:
     """One load pass's cooperation on this rank (see the module docstring); ``channel``: the
-    load's process group; ``host``: this rank's host (default: its host name)."""
+    load's process group; ``scope``: ``"all"`` (share ranges between any ranks) or ``"hosts"``
+    (only when the job spans two or more hosts); ``host``: this rank's host (default: its host
+    name)."""
 
-    def __init__(self, channel: Channel, host: str | None = None, window: int = WINDOW,
+    def __init__(self, channel: Channel, scope: str = "all", host: str | None = None, window: int = WINDOW,
                  share_min: int = SHARE_MIN) -> None:
-        self.channel, self.window, self.share_min = channel, window, share_min
+        if scope not in ("all", "hosts"):
+            raise ValueError(f"internal: cooperation scope {scope!r}")
+        self.channel, self.scope, self.window, self.share_min = channel, scope, window, share_min
         self.host = host if host is not None else socket.gethostname()
         self.entered = False
         self.stats = CoopStats()
@@ -156,7 +165,8 @@ class Cooperation:
             if not files:  # standing aside: nothing of this rank's failed
                 return files
             raise FailedElsewhere(f"{failed_ranks(summed)} rank(s) of the load failed before reading")
-        if not any_shared(summed):
+        if not any_shared(summed) or (self.scope == "hosts"
+                                      and not hosts_differ(summed, self.channel.world_size)):
             return files
         maybe = candidates(big, summed)
         alone = sum(k[2] for k in mine) - sum(k[2] for k in maybe)
@@ -177,7 +187,7 @@ class Cooperation:
         if self.entered:
             raise AssertionError("internal: a rank took part twice in one cooperative load")
         self.entered = True
-        return self.channel.all_reduce_sum(sketch_of(keys))
+        return self.channel.all_reduce_sum(sketch_of(keys, self.host))
 
     def _rounds(self, rounds: list[list[Key]], assignment: dict[Key, tuple[int, tuple[int, ...]]],
                 mine: dict[Key, list[Any]], fetch: Callable[[str, int, torch.Tensor], bool],

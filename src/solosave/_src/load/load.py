@@ -6,7 +6,12 @@ a checkpoint with a load index (solosave's own, local): :func:`load` -> every ra
 index, builds the ``Metadata`` of its own shards from it and loads them (:func:`_load_local`)
 -> one 8-byte ``all_reduce`` whose two bits say whether every rank loaded and whether every
 rank had a usable index; only if a rank failed, an ``all_gather_object`` of the errors; only if
-a rank had no usable index, the ``.metadata`` path below for the ranks that did not load. For
+a rank had no usable index, the ``.metadata`` path below for the ranks that did not load. Before
+its reads, each pass of a load with two or more ranks (unless ``cooperative=False``) runs the
+steps of a cooperative load on every rank (:mod:`solosave._src.load.cooperative`: a 32 KiB
+``all_reduce`` sketch; only where ranges are shared, an ``all_gather_object`` and, per round, an
+8-byte ``all_reduce`` and point-to-point transfers); a rank that reads nothing in that pass
+takes part as one that stands aside. For
 any other checkpoint: :func:`load` -> the coordinator (group rank 0) reads ``.metadata`` from storage and broadcasts
 its bytes (or the reason it could not) in one ``broadcast_object_list`` through
 :class:`~solosave._src.coordination.channel.Channel` -> every rank unpickles them (allowlisted), so storage
@@ -346,18 +351,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
 
     Each rank plans its reads alone (unless ``planner`` has a global step of its own) and reads
     each data file in one pass, tensor bytes straight into the target tensors
-    (:mod:`solosave._src.load.read_path`); collectives: the ``.metadata`` broadcast and one 8-byte
-    ``all_reduce`` (plus an ``all_gather_object`` of the errors when a rank failed).
-
-    With ``use_index`` (the default), a local checkpoint that solosave wrote is loaded through its
-    load index (``.solosave-index``, :mod:`solosave._src.index.writer`): each rank reads the entries its
-    own shards need instead of the whole ``.metadata``, whose size grows with the world size
-    the checkpoint was saved at, and loads at once; the one 8-byte ``all_reduce`` after the
-    load then also says whether every rank could use its index (no ``.metadata`` broadcast,
-    no other collective). A checkpoint without one (stock DCP's, or a URL) or with a stale or
-    damaged one is loaded from ``.metadata`` (the latter with a logged warning); if only some
-    ranks could use the index, the others then load from ``.metadata`` (one more broadcast and
-    ``all_reduce``).
+    (:mod:`solosave._src.load.read_path`). With ``use_index`` (the default), a checkpoint that
+    solosave wrote is loaded through its load index (``.solosave-index``): each rank reads the
+    entries its own shards need, not the whole ``.metadata``; a stale or damaged index is
+    ignored with a warning. Collectives: the module docstring says which, in which order.
 
     ``path`` may be a URL (``s3://bucket/run/iter_0000100``; ``pip install 'solosave[s3]'``),
     with ``storage_options`` handed to its fsspec filesystem; its records are read by DCP's read
@@ -375,19 +372,16 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     its host does not keep come from those that do (:mod:`solosave._src.tiers.peer_repair`: an
     ``all_gather_object`` each; transfers only where a host misses something).
 
-    ``cooperative`` (``None``: automatic; ``False``: off): with two or more ranks, each byte range
-    of at least 64 KiB that several ranks need (replicas, or resharding that feeds one saved chunk
-    to several ranks) is read from storage by one of them, chosen to balance the bytes per host
-    and per rank, and delivered to the others over ``process_group`` in rounds of at most 256 MiB
-    per rank (:mod:`solosave._src.load.cooperative`): the job reads each such byte once. It costs
-    one 16 KiB ``all_reduce`` (a sketch that proves when nothing is shared: then nothing else
-    happens), and, where ranges are shared, an ``all_gather_object`` of their keys and one 8-byte
-    ``all_reduce`` per round. Works on either tier and on URLs; a planner with a global step of
-    its own loads through DCP's collective load, without it.
+    ``cooperative``: each byte range of at least 64 KiB that several ranks need (replicas, or
+    resharding) is read from storage by one of them and delivered to the others over
+    ``process_group``, in rounds of at most 256 MiB per rank (:mod:`solosave._src.load.cooperative`).
+    ``None`` (default): on for a URL; on local files only when the ranks span two or more hosts
+    (ranks of one host share its page cache). ``True``: between any ranks; ``False``: off. Costs
+    one 32 KiB ``all_reduce`` (then nothing else when nothing is shared), else an
+    ``all_gather_object`` of the shared keys and one 8-byte ``all_reduce`` per round.
 
-    Returns a :class:`~solosave.LoadResult`: the path loaded from (a ``str``; with two tiers, the
-    copy that was loaded), with what this rank read from storage, received from and sent to other
-    ranks, the files it opened and the seconds per phase.
+    Returns a :class:`~solosave.LoadResult`: the path loaded from (a ``str``: with two tiers, the
+    copy loaded), with what this rank read, received and sent, files opened, seconds per phase.
     """
     distributed = dist.is_available() and dist.is_initialized()
     peers = ranks_per_host if distributed else 0
@@ -473,7 +467,8 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: An
     def cooperation() -> Cooperation | None:  # one per pass, the same decision on every rank
         if cooperative is False or not distributed or not local or dist.get_world_size(process_group) < 2:
             return None
-        coops.append(Cooperation(DistChannel(process_group)))
+        scope = "all" if cooperative or not storage.local_files else "hosts"
+        coops.append(Cooperation(DistChannel(process_group), scope))
         return coops[-1]
 
     def result() -> LoadResult:
