@@ -15,7 +15,9 @@ test server (moto on 127.0.0.1, ``s3fs``). Methods, per repetition (the slowest 
                     much (``isend``/``irecv`` over the job's gloo group): the network part of a
                     cooperative load of this checkpoint
 ``dcp``             stock ``dcp.load`` (``FileSystemReader``; ``FsspecReader`` on S3)
-``solosave``        ``solosave.load`` (cooperative, the default)
+``solosave``        ``solosave.load`` (the default: cooperative on S3; on local files only across
+                    hosts, so not here, one host)
+``solosave_coop``   ``solosave.load(..., cooperative=True)`` (between any ranks)
 ``solosave_alone``  ``solosave.load(..., cooperative=False)``
 
 Bytes read from storage per load, summed over ranks: for solosave, counted by wrapping
@@ -40,10 +42,10 @@ Json = dict[str, Any]
 MiB = 1 << 20
 CASES = (("replicated 2x2", 2), ("resharded 2->4", 1))
 STORAGES = ("local, warm cache", "local, cold cache", "s3 (moto)")
-METHODS = ("raw", "deliver", "dcp", "solosave", "solosave_alone")
+METHODS = ("raw", "deliver", "dcp", "solosave", "solosave_coop", "solosave_alone")
 LABELS = {"raw": "raw read of unique bytes (1 proc)", "deliver": "gloo delivery of 1/4 per rank",
-          "dcp": "stock dcp.load", "solosave": "solosave.load (cooperative)",
-          "solosave_alone": "solosave.load, cooperative=False"}
+          "dcp": "stock dcp.load", "solosave": "solosave.load (default)",
+          "solosave_coop": "solosave.load, cooperative=True", "solosave_alone": "solosave.load, cooperative=False"}
 #: The goals of issue 41 (local files, W = 4): solosave / (raw + deliver) and solosave / dcp.
 GOALS = {"raw_plus_deliver": 1.15, "dcp": 0.5}
 LOAD_WS = 4
@@ -153,10 +155,11 @@ def rank_load(rank: int, ws: int, case: Json, cfg: Json) -> Json:
         results[key] = solosave.load(sd, target, cooperative=flag)
 
     methods = {"raw": raw, "deliver": deliver, "dcp": stock, "solosave": lambda: coop(None, "solosave"),
+               "solosave_coop": lambda: coop(True, "solosave_coop"),
                "solosave_alone": lambda: coop(False, "solosave_alone")}
     times: dict[str, list[float]] = {m: [] for m in cfg["methods"]}
     read: dict[str, list[int]] = {m: [] for m in cfg["methods"]}
-    lib: dict[str, list[Json]] = {m: [] for m in ("solosave", "solosave_alone")}
+    lib: dict[str, list[Json]] = {m: [] for m in ("solosave", "solosave_coop", "solosave_alone")}
     exact = True
     for rep in range(1 + cfg["reps"]):
         order = cfg["methods"][rep % len(cfg["methods"]):] + cfg["methods"][:rep % len(cfg["methods"])]
@@ -174,10 +177,11 @@ def rank_load(rank: int, ws: int, case: Json, cfg: Json) -> Json:
             grew = _rchar() - before
             if rep:
                 times[m].append(dt)
-                read[m].append(counted[0] if m.startswith("solosave") else grew if m == "dcp" and not url else -1)
+                local = not url
+                read[m].append(counted[0] if m.startswith("solosave") and local else grew if m == "dcp" and local else -1)
                 if m in lib:
                     lib[m].append(results[m].as_dict())
-            if m in ("dcp", "solosave", "solosave_alone"):
+            if m in ("dcp", *lib):
                 exact = exact and all(torch.equal(sd[k].full_tensor(), v) for k, v in want.items())
     return {"rank": rank, "times": times, "read": read, "lib": lib, "exact": exact, "unique": unique}
 
@@ -196,7 +200,7 @@ def summarize(per_rank: list[Json], methods: list[str]) -> Json:
         counted = [sum(r["read"][m][i] for r in per_rank) for i in range(n)]
         entry: Json = {"median_ms": med * 1e3, "min_ms": min(reps) * 1e3, "max_ms": max(reps) * 1e3,
                        "reps_ms": [t * 1e3 for t in reps]}
-        if all(c >= 0 for c in counted) and m in ("dcp", "solosave", "solosave_alone"):
+        if all(c >= 0 for c in counted) and m in ("dcp", "solosave", "solosave_coop", "solosave_alone"):
             entry["read_over_unique"] = statistics.median(counted) / unique
         if m in per_rank[0]["lib"]:
             entry["lib_read_over_unique"] = statistics.median(
@@ -206,13 +210,15 @@ def summarize(per_rank: list[Json], methods: list[str]) -> Json:
         out["methods"][m] = entry
     meds = {m: v["median_ms"] for m, v in out["methods"].items()}
     r: Json = {}
-    if "solosave" in meds:
+    for m in ("solosave", "solosave_coop"):
+        if m not in meds:
+            continue
         if "dcp" in meds:
-            r["solosave_over_dcp"] = meds["solosave"] / meds["dcp"]
+            r[f"{m}_over_dcp"] = meds[m] / meds["dcp"]
         if "raw" in meds and "deliver" in meds:
-            r["solosave_over_raw_plus_deliver"] = meds["solosave"] / (meds["raw"] + meds["deliver"])
+            r[f"{m}_over_raw_plus_deliver"] = meds[m] / (meds["raw"] + meds["deliver"])
         if "solosave_alone" in meds:
-            r["solosave_over_alone"] = meds["solosave"] / meds["solosave_alone"]
+            r[f"{m}_over_alone"] = meds[m] / meds["solosave_alone"]
     out["ratios"] = r
     return out
 
@@ -294,7 +300,7 @@ def plot_coop(coop: Json, out: Path) -> list[Path]:
         return []
     fig, axes = plt.subplots(1, len(cases), figsize=(4.6 * len(cases), 3.4), squeeze=False)
     colors = {"raw": "#7f7f7f", "deliver": "#bcbd22", "dcp": "#ff7f0e", "solosave": "#1f77b4",
-              "solosave_alone": "#aec7e8"}
+              "solosave_coop": "#2ca02c", "solosave_alone": "#aec7e8"}
     for ax, name in zip(axes[0], cases):
         ms = coop["cases"][name]["methods"]
         meth = [m for m in METHODS if m in ms]

@@ -21,7 +21,7 @@ def _sum(*sketches):
 
 def test_the_sketch_finds_every_shared_key_and_proves_when_none_is():
     rng = random.Random(3)
-    keys = [(f"__{r}_0.distcp", rng.randrange(1 << 30), rng.randrange(1, 1 << 20)) for r in range(200)]
+    keys = [(f"__{r}_0.distcp", rng.randrange(1 << 30), rng.randrange(1, 1 << 20), 0) for r in range(200)]
     # four ranks, disjoint keys: no bucket can show two ranks unless two keys collide
     parts = [keys[i::4] for i in range(4)]
     summed = _sum(*(sketch_of(p) for p in parts))
@@ -46,7 +46,7 @@ def test_the_sketch_tells_one_host_from_several():
 
 def test_readers_spread_over_hosts_first_then_ranks():
     # two hosts of two ranks; every range needed by one rank on each host (replicas across hosts)
-    keys = [("f", i * 100, 100) for i in range(8)]
+    keys = [("f", i * 100, 100, 0) for i in range(8)]
     needs = [("a", keys[0::2]), ("a", keys[1::2]), ("b", keys[0::2]), ("b", keys[1::2])]
     plan = assign_readers(needs)
     assert set(plan) == set(keys)
@@ -55,12 +55,12 @@ def test_readers_spread_over_hosts_first_then_ranks():
     for k, (reader, receivers) in plan.items():
         assert reader not in receivers and sorted((reader, *receivers)) in ([0, 2], [1, 3])
     # a range only one rank needs is not shared; a rank's unshared bytes count against it
-    plan = assign_readers([("a", [("f", 0, 10), ("g", 0, 5)]), ("a", [("f", 0, 10)])], unshared=[100, 0])
-    assert plan == {("f", 0, 10): (1, (0,))}
+    plan = assign_readers([("a", [("f", 0, 10, 0), ("g", 0, 5, 0)]), ("a", [("f", 0, 10, 0)])], unshared=[100, 0])
+    assert plan == {("f", 0, 10, 0): (1, (0,))}
 
 
 def test_rounds_bound_what_a_rank_reads_or_receives():
-    keys = [("f", i, 40) for i in range(10)] + [("g", 0, 500)]
+    keys = [("f", i, 40, 0) for i in range(10)] + [("g", 0, 500, 0)]
     plan = {k: (i % 2, (2,)) for i, k in enumerate(keys)}
     rounds = plan_rounds(plan, window=100)
     assert sorted(k for r in rounds for k in r) == sorted(keys)

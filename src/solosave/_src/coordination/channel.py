@@ -212,12 +212,9 @@ class Channel:
         receive, in order. Counted as ``send`` and ``recv`` with their bytes."""
         raise NotImplementedError
 
-    def transfer(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
-        """Post every send (``(group rank, 1-D uint8 CPU tensor)``) and every receive (``(group
-        rank, tensor filled in place)``) of one round of a cooperative load at once, then wait for
-        all of them, each bounded by :attr:`timeout`. Message ``i`` of the sends to a rank is
-        matched by receive ``i`` from this rank on the other side (their order is the tag). Not
-        collective: the ranks of the round's messages take part. Counted as ``send`` and ``recv``."""
+    def transfers(self) -> Transfers:
+        """Point-to-point messages of one round of a cooperative load (:class:`Transfers`): not
+        collective, the ranks of the round's messages take part."""
         raise NotImplementedError
 
     # -- shared values (a store key, not a collective: posted once, read by some ranks) ----------
@@ -255,6 +252,84 @@ def _encode_receipt(error: str | None) -> bytes:
 
 def _decode_receipt(data: bytes) -> str | None:
     return None if data == b"+" else data[1:].decode("utf-8", "replace")
+
+
+class Transfers:
+    """The messages of one round of a cooperative load, from this rank's side: receives posted
+    first (:meth:`recv`, in the order the other side sends them), sends posted as their bytes
+    are ready (:meth:`send`), each receive waited for as it is needed (:meth:`wait_recv`), then
+    :meth:`finish`. Message ``i`` from rank ``a`` to rank ``b`` is matched by ``b``'s receive
+    ``i`` from ``a`` (the order is the tag). Each wait is bounded by the channel's timeout
+    (:class:`ChannelError` past it). Counted as ``send`` and ``recv`` with their bytes."""
+
+    def recv(self, src: int, into: torch.Tensor) -> int:
+        """Post a receive of ``into.numel()`` bytes from group rank ``src``; returns its handle."""
+        raise NotImplementedError
+
+    def send(self, dst: int, data: torch.Tensor) -> None:
+        """Post a send of ``data`` (1-D uint8 CPU, not changed until :meth:`finish`) to ``dst``."""
+        raise NotImplementedError
+
+    def wait_recv(self, handle: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Wait for every message posted (sends included)."""
+        raise NotImplementedError
+
+
+class _DistTransfers(Transfers):
+    def __init__(self, ch: DistChannel) -> None:
+        self.ch = ch
+        self.staged = _device_of(ch.group)  # NCCL moves device tensors only: stage through the GPU
+        self.limit = datetime.timedelta(seconds=ch.timeout)
+        self.tags: dict[tuple[str, int], int] = {}
+        self.sends: list[Any] = []
+        self.recvs: list[tuple[Any, torch.Tensor, torch.Tensor, bool]] = []  # work, into, box, done
+        self.sent = self.received = 0
+        self.t0 = time.perf_counter()
+
+    def _tag(self, way: str, rank: int) -> int:
+        tag = self.tags[(way, rank)] = self.tags.get((way, rank), -1) + 1
+        return tag
+
+    def recv(self, src: int, into: torch.Tensor) -> int:
+        box = into if self.staged is None else torch.empty_like(into, device=self.staged)
+        work = self.ch._run("recv", functools.partial(dist.irecv, box, self.ch._global(src), group=self.ch.group,
+                                                      tag=self._tag("r", src)))
+        self.recvs.append((work, into, box, False))
+        self.received += into.numel()
+        return len(self.recvs) - 1
+
+    def send(self, dst: int, data: torch.Tensor) -> None:
+        out = data if self.staged is None else data.to(self.staged)
+        self.sends.append(self.ch._run("send", functools.partial(dist.isend, out, self.ch._global(dst),
+                                                                 group=self.ch.group, tag=self._tag("s", dst))))
+        self.sent += data.numel()
+
+    def _wait(self, work: Any) -> None:
+        if not self.ch._run("wait", functools.partial(work.wait, self.limit)):
+            raise ChannelError(f"a transfer of a cooperative load did not complete within {self.ch.timeout:g} s")
+
+    def wait_recv(self, handle: int) -> None:
+        work, into, box, done = self.recvs[handle]
+        if done:
+            return
+        self._wait(work)
+        if box is not into:
+            into.copy_(box)
+        self.recvs[handle] = (work, into, box, True)
+
+    def finish(self) -> None:
+        for i in range(len(self.recvs)):
+            self.wait_recv(i)
+        for work in self.sends:
+            self._wait(work)
+        seconds, thread = time.perf_counter() - self.t0, threading.current_thread().name
+        if self.sends:
+            self.ch.counter.record(CollectiveCall("send", self.sent, thread, seconds))
+        if self.recvs:
+            self.ch.counter.record(CollectiveCall("recv", self.received, thread, seconds))
 
 
 class DistChannel(Channel):
@@ -357,36 +432,8 @@ class DistChannel(Channel):
         self.counter.record(CollectiveCall("recv", nbytes, threading.current_thread().name, seconds))
         return inbox.numpy().tobytes()
 
-    def transfer(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
-        t0 = time.perf_counter()
-        staged = _device_of(self.group)  # NCCL moves device tensors only: stage through the GPU
-        works: list[Any] = []
-        inboxes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        tags: dict[tuple[str, int], int] = {}
-        for dst, data in sends:
-            tag = tags[("s", dst)] = tags.get(("s", dst), -1) + 1
-            out = data if staged is None else data.to(staged)
-            works.append(self._run("send", functools.partial(dist.isend, out, self._global(dst),
-                                                             group=self.group, tag=tag)))
-        for src, into in recvs:
-            tag = tags[("r", src)] = tags.get(("r", src), -1) + 1
-            box = into if staged is None else torch.empty_like(into, device=staged)
-            inboxes.append((into, box))
-            works.append(self._run("recv", functools.partial(dist.irecv, box, self._global(src),
-                                                             group=self.group, tag=tag)))
-        limit = datetime.timedelta(seconds=self.timeout)
-        for work in works:
-            if not self._run("wait", functools.partial(work.wait, limit)):
-                raise ChannelError(f"a transfer of a cooperative load did not complete within {self.timeout:g} s")
-        for into, box in inboxes:
-            if box is not into:
-                into.copy_(box)
-        seconds = time.perf_counter() - t0
-        thread = threading.current_thread().name
-        if sends:
-            self.counter.record(CollectiveCall("send", sum(t.numel() for _, t in sends), thread, seconds))
-        if recvs:
-            self.counter.record(CollectiveCall("recv", sum(t.numel() for _, t in recvs), thread, seconds))
+    def transfers(self) -> Transfers:
+        return _DistTransfers(self)
 
     def _global(self, rank: int | None) -> int:
         if rank is None:

@@ -1,7 +1,8 @@
 """The sketch of a cooperative load: which byte ranges might be needed by more than one rank,
 found with one small ``all_reduce`` instead of gathering every rank's list.
 
-Each rank hashes the keys of the records it would share (``(file, offset, length)``, each once)
+Each rank hashes the keys of the records it would share (``(file, offset, length, what it needs
+of the record)``, each once)
 into :data:`BUCKETS` counters and adds one to each; slot :data:`BUCKETS` counts the ranks that
 failed before reading; the last two slots add a 16-bit hash ``h`` of the rank's host and
 ``h * h``, from which every rank learns whether the job spans more than one host
@@ -22,12 +23,13 @@ from collections.abc import Iterable
 BUCKETS = 4096
 _FAILED, _HOST, _HOST_SQ = BUCKETS, BUCKETS + 1, BUCKETS + 2
 
-Key = tuple[str, int, int]
+#: ``(file, offset, length, digest of the parts of the record a rank needs)``.
+Key = tuple[str, int, int, int]
 
 
 def bucket_of(key: Key) -> int:
     """The counter of ``key``, the same in every process (no per-process hash seed)."""
-    return zlib.crc32(f"{key[0]}\0{key[1]}\0{key[2]}".encode()) % BUCKETS
+    return zlib.crc32(f"{key[0]}\0{key[1]}\0{key[2]}\0{key[3]}".encode()) % BUCKETS
 
 
 def host_hash(host: str) -> int:

@@ -8,20 +8,21 @@ of :meth:`Cooperation.run` (it is about to read: its records by file), :meth:`Co
 (it reads nothing in this pass, or reads through DCP's own path) or :meth:`Cooperation.abstain`
 (it failed before reading). In order, on every rank:
 
-1. the sketch (:mod:`solosave._src.coordination.sketch`): one ``all_reduce(SUM)`` of 4,099
-   int64 counters over the keys ``(file, offset, length)`` of this rank's records of at least
-   :data:`SHARE_MIN` bytes. A rank that failed is counted in the last slot: then every rank
-   stops here (:class:`~solosave._src.core.errors.FailedElsewhere`; the load's own agreement
-   then raises the failing rank's error on every rank). No bucket above one proves that no
-   range is shared: each rank reads its own records and nothing else happens here. **That is
-   the rule of "when it pays"**: only ranges of at least ``SHARE_MIN`` bytes that two or more
-   ranks need are shared (a smaller one is read by each rank that needs it: it rides in a
-   coalesced read anyway), and, for a checkpoint on local files (``scope="hosts"``), only when
-   the job spans two or more hosts (the sketch says so too): ranks of one host that read the
-   same file share its pages in the host's page cache, so the file is read from the disk once
-   whatever they do, and delivering it over the process group only adds copies (measured:
-   docs/benchmarks.md, the cooperative-load section). On an object store (``scope="all"``),
-   every read is a request: ranges are shared between any ranks;
+1. the sketch (:mod:`solosave._src.coordination.sketch`): one ``all_reduce(SUM)`` of 4,099 int64
+   counters over the keys of this rank's records of at least :data:`SHARE_MIN` bytes (file,
+   offset, length, and which parts of the record it needs: :func:`_parts`). A rank that failed
+   is counted in the last slot: then every rank stops here
+   (:class:`~solosave._src.core.errors.FailedElsewhere`; the load's own agreement then raises
+   the failing rank's error on every rank). No bucket above one proves that no range is shared:
+   each rank reads its own records and nothing else happens here. **That is the rule of "when it
+   pays"**: only ranges of at least ``SHARE_MIN`` bytes that two or more ranks need are shared
+   (a smaller one is read by each rank that needs it: it rides in a coalesced read anyway), and,
+   for a checkpoint on local files (``scope="hosts"``), only when the job spans two or more
+   hosts (the sketch says so too): ranks of one host that read the same file share its pages in
+   the host's page cache, so the file is read from the disk once whatever they do, and
+   delivering it over the process group only adds copies (measured: docs/benchmarks.md, the
+   cooperative-load section). On an object store (``scope="all"``), every read is a request:
+   ranges are shared between any ranks;
 2. one ``all_gather_object`` of each rank's host name and candidate keys (those in buckets of
    two or more), from which every rank computes the same plan (:func:`assign_readers`): for each
    range needed by two or more ranks, the reader is the needing rank with the fewest bytes so far
@@ -46,6 +47,7 @@ from __future__ import annotations
 import pickle
 import socket
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -150,15 +152,16 @@ class Cooperation:
         self._sketch(None)
 
     def run(self, files: dict[str, list[Any]], fetch: Callable[[str, int, torch.Tensor], bool],
-            decode: Callable[[Any, torch.Tensor], None]) -> dict[str, list[Any]]:
+            decode: Callable[[Any, torch.Tensor], None], whole_below: int = 0) -> dict[str, list[Any]]:
         """``files``: this rank's records (``offset``, ``length``) by file. Reads and receives the
         shared ones, decoding each with ``decode(record, bytes)``; ``fetch(file, offset, into)``
-        reads a range from storage (returns whether it opened a file). Returns the records left
-        for this rank to read alone."""
+        reads a range from storage (returns whether it opened a file); ``whole_below``: records
+        shorter than this are read whole by the caller's read path even where a rank needs only
+        part of one (:func:`_parts`). Returns the records left for this rank to read alone."""
         mine: dict[Key, list[Any]] = defaultdict(list)
         for rel, records in files.items():
             for rec in records:
-                mine[(rel, int(rec.offset), int(rec.length))].append(rec)
+                mine[(rel, int(rec.offset), int(rec.length), _parts(rec, whole_below))].append(rec)
         big = [k for k in mine if k[2] >= self.share_min]
         summed = self._sketch(big)
         if failed_ranks(summed):
@@ -180,7 +183,8 @@ class Cooperation:
             raise error
         shared = set(assignment)
         return {rel: kept for rel, records in files.items()
-                if (kept := [r for r in records if (rel, int(r.offset), int(r.length)) not in shared])}
+                if (kept := [r for r in records
+                             if (rel, int(r.offset), int(r.length), _parts(r, whole_below)) not in shared])}
 
     # -- steps ------------------------------------------------------------------------------------
     def _sketch(self, keys: Sequence[Key] | None) -> list[int]:
@@ -192,51 +196,85 @@ class Cooperation:
     def _rounds(self, rounds: list[list[Key]], assignment: dict[Key, tuple[int, tuple[int, ...]]],
                 mine: dict[Key, list[Any]], fetch: Callable[[str, int, torch.Tensor], bool],
                 decode: Callable[[Any, torch.Tensor], None]) -> Exception | None:
+        """Each round: receives posted, then each range this rank reads is read and sent at once
+        (a failed read still sends its buffer, zeroed, so that every posted receive completes),
+        each range is decoded as it arrives, and the round ends with one agreement that every
+        read succeeded (a failed one fails the round on every rank, before anything received
+        counts). A decoding error is returned once this rank served every round."""
         me, st = self.channel.rank, self.stats
         late: Exception | None = None  # a decoding error: raised once this rank served every round
         for keys in rounds:
             st.rounds += 1
             t0 = time.perf_counter()
-            held: dict[Key, torch.Tensor] = {}
+            moves = self.channel.transfers()
+            incoming = []
+            for k in keys:
+                if me in assignment[k][1]:
+                    buf = torch.empty(k[2], dtype=torch.uint8)
+                    incoming.append((k, buf, moves.recv(assignment[k][0], buf)))
             error: Exception | None = None
-            try:
-                for k in keys:
-                    if assignment[k][0] == me:
-                        buf = torch.empty(k[2], dtype=torch.uint8)
+            held: list[tuple[Key, torch.Tensor]] = []
+            for k in keys:
+                if assignment[k][0] != me:
+                    continue
+                buf = torch.empty(k[2], dtype=torch.uint8)
+                if error is None:
+                    try:
                         st.files_opened += bool(fetch(k[0], k[1], buf))
                         st.bytes_read += k[2]
-                        held[k] = buf
-            except Exception as e:  # noqa: BLE001 - agreed below: every rank stops, none sends
-                error = e
+                    except Exception as e:  # noqa: BLE001 - agreed at the end of the round
+                        error = e
+                if error is not None:
+                    buf.zero_()
+                for dst in assignment[k][1]:
+                    moves.send(dst, buf)
+                    st.bytes_sent += k[2]
+                held.append((k, buf))
             t1 = time.perf_counter()
             st.seconds_read += t1 - t0
+            decoding = st.seconds_decode
+            if error is None and late is None:
+                late = self._decode(held, mine, decode)
+            for k, buf, h in incoming:
+                moves.wait_recv(h)
+                st.bytes_received += k[2]
+                if error is None and late is None:
+                    late = self._decode([(k, buf)], mine, decode)
+            moves.finish()
+            st.seconds_exchange += time.perf_counter() - t1 - (st.seconds_decode - decoding)
             failed = self.channel.agree_ok(None if error is None else _portable(error))
             if failed:
                 if error is not None:
                     raise error
                 rank, why = min(failed.items())
                 raise FailedElsewhere(f"rank {rank} could not read its share of the cooperative load: {why}")
-            sends = [(dst, held[k]) for k in keys if assignment[k][0] == me for dst in assignment[k][1]]
-            recvs = []
-            for k in keys:
-                reader, receivers = assignment[k]
-                if me in receivers:
-                    held[k] = torch.empty(k[2], dtype=torch.uint8)
-                    recvs.append((reader, held[k]))
-            self.channel.transfer(sends, recvs)
-            st.bytes_sent += sum(t.numel() for _, t in sends)
-            st.bytes_received += sum(t.numel() for _, t in recvs)
-            t2 = time.perf_counter()
-            st.seconds_exchange += t2 - t1
-            if late is None:
-                try:
-                    for k, buf in held.items():
-                        for rec in mine.get(k, ()):
-                            decode(rec, buf)
-                except Exception as e:  # noqa: BLE001 - raised after the last round (see above)
-                    late = e
-            st.seconds_decode += time.perf_counter() - t2
         return late
+
+    def _decode(self, ranges: list[tuple[Key, torch.Tensor]], mine: dict[Key, list[Any]],
+                decode: Callable[[Any, torch.Tensor], None]) -> Exception | None:
+        t0 = time.perf_counter()
+        try:
+            for k, buf in ranges:
+                for rec in mine.get(k, ()):
+                    decode(rec, buf)
+        except Exception as e:  # noqa: BLE001 - returned: raised after the last round
+            return e
+        finally:
+            self.stats.seconds_decode += time.perf_counter() - t0
+        return None
+
+
+def _parts(rec: Any, whole_below: int) -> int:
+    """A digest of the parts of a record this rank needs (its items' offsets and lengths in the
+    saved chunk). Ranks share a record only when they need the same parts of it: replicas do;
+    ranks that reshard a chunk need different parts, and the read path reads only the part each
+    needs (a contiguous one: its bytes alone), so each byte is read once without sharing. A record
+    shorter than ``whole_below`` (the read path's threshold of ranged reads of a record) is read
+    whole by every rank that needs any part of it: the record is the unit (digest 0)."""
+    if rec.length < whole_below:  # read whole by every rank that needs any of it: share it whole
+        return 0
+    parts = sorted((tuple(getattr(i, "storage_offsets", ())), tuple(getattr(i, "lengths", ()))) for i in rec.items)
+    return zlib.crc32(repr(parts).encode())
 
 
 def _portable(error: Exception) -> Any:

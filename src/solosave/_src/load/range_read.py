@@ -269,7 +269,8 @@ def read_items_by_ranges(storage: Storage, directory: str, items: Sequence[Any],
         files = _records_by_file(items, storage_data, whole)
         try:
             if cooperation is not None:
-                files = cooperation.run(files, _StorageRanges(storage, directory, pool), loader.decode_in_memory)
+                files = cooperation.run(files, _StorageRanges(storage, directory, pool), loader.decode_in_memory,
+                                        whole_below=HUGE_BYTES)
             loader.load(files)
         except BaseException:
             loader._queued = []  # nothing more is read into the targets

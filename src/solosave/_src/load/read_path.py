@@ -462,7 +462,7 @@ def read_items(directory: str | os.PathLike, items: Sequence[Any], storage_data:
     if cooperation is not None:
         fetch = LocalRanges(directory)
         try:
-            files = cooperation.run(files, fetch, loader.decode_in_memory)
+            files = cooperation.run(files, fetch, loader.decode_in_memory, whole_below=DIRECT_MIN)
         finally:
             fetch.close()
     for rel, records in sorted(files.items()):
