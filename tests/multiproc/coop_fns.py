@@ -10,6 +10,7 @@ process, counting what they return for descriptors open on a ``.distcp`` file).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from unittest import mock
 
@@ -107,4 +108,27 @@ def load_failing(rank: int, ws: int, path: str, replicas: int, failing_rank: int
     finally:
         if how == "read" and rank == failing_rank:
             patch.stop()
+    return "loaded"
+
+
+def load_with_a_dying_reader(rank: int, ws: int, path: str, dying: int) -> str:
+    """Load cooperatively where rank ``dying``'s process exits as it starts reading its share;
+    the others return what they raised and after how long."""
+    import time
+
+    from solosave._src.load import read_path
+
+    got = _state(ws, {k: torch.zeros_like(v) for k, v in values().items()}, 2)
+
+    def die(self: Any, rel: str, offset: int, into: torch.Tensor) -> bool:
+        os._exit(3)
+
+    patch = mock.patch.object(read_path.LocalRanges, "__call__", die)
+    if rank == dying:
+        patch.start()
+    t0 = time.monotonic()
+    try:
+        solosave.load(got, path, cooperative=True)
+    except Exception as e:  # noqa: BLE001 - what each surviving rank raised is the result
+        return f"{type(e).__name__} after {time.monotonic() - t0:.0f} s: {e}"
     return "loaded"

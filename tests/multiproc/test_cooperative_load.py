@@ -9,7 +9,7 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.multiproc import coop_fns
-from tests.support import run_ranks
+from tests.support import run_ranks, run_ranks_tolerant
 
 
 def _unique_bytes(path) -> int:
@@ -104,3 +104,17 @@ def test_a_damaged_shared_record_is_reported_on_every_rank(tmp_path, case_log):
     assert alone == out  # as without cooperation
     case_log("a cooperative load at W=4 of a checkpoint whose shared record of w0 is damaged",
              "every rank raises CorruptCheckpointError naming 'w0'")
+
+
+@pytest.mark.timeout(240)
+def test_a_reader_that_dies_mid_load_fails_the_others_in_bounded_time(tmp_path, case_log):
+    path = str(tmp_path / "ck")
+    run_ranks(coop_fns.save, 2, path, timeout=100)
+    out = run_ranks_tolerant(coop_fns.load_with_a_dying_reader, 4, path, 1, timeout=150)
+    assert out[1] == ("died", 3), out
+    for rank in (0, 2, 3):
+        kind, text = out[rank]
+        assert kind == "ok" and text != "loaded", out  # raised, did not hang
+    case_log("a cooperative load at W=4 whose rank 1 exits while reading its share",
+             "the other ranks raise (the peer's connection closed) instead of waiting: "
+             + "; ".join(out[r][1][:80] for r in (0, 2, 3)))
