@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in ("all", "load"):
         steps += len(load_bench.CASES)
     if args.only in ("all", "load", "coop"):
-        steps += len(coop_bench.CASES) * len(coop_bench.STORAGES)
+        steps += len(coop_bench.CASES) * len(coop_bench.STORAGES) + 4
     if args.only in ("all", "limits"):
         steps += len(limits_bench.CASES) * (1 + len(limits_bench.MODES))
     steps += args.only == "s3"
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     "methods": list(load_bench.METHODS)}
         report["load"] = load_bench.run_load_bench(load_cfg, out, progress)
     if args.only in ("all", "load", "coop"):
-        coop_cfg = {"total_mib": 64 if args.quick else args.coop_mib, "reps": 2 if args.quick else min(args.load_reps, 5),
+        coop_cfg = {"total_mib": 64 if args.quick else args.coop_mib, "sweep_mib": 32 if args.quick else 64, "reps": 2 if args.quick else min(args.load_reps, 5),
                     "timeout": args.timeout, "methods": list(coop_bench.METHODS),
                     "storages": list(coop_bench.STORAGES)}
         report["coop"] = coop_bench.run_coop_bench(coop_cfg, out, progress)

@@ -20,6 +20,11 @@ test server (moto on 127.0.0.1, ``s3fs``). Methods, per repetition (the slowest 
 ``solosave_coop``   ``solosave.load(..., cooperative=True)`` (between any ranks)
 ``solosave_alone``  ``solosave.load(..., cooperative=False)``
 
+Then the **replica sweep**: ``SWEEP_WS`` = 8 ranks load a checkpoint saved by one rank as R = 1, 2,
+4 and 8 replicas (a mesh of R x 8/R; R = 1: eight shards) from local files, once per method
+(stock ``dcp.load``, solosave with ``cooperative=True``, without): the bytes the job reads over
+the checkpoint's, and the slowest rank's time.
+
 Bytes read from storage per load, summed over ranks: for solosave, counted by wrapping
 ``os.preadv``/``os.pread`` in each rank (bytes returned for ``.distcp`` descriptors; local
 files), independently of the library, and the library's own ``LoadResult.bytes_read`` (every
@@ -49,6 +54,8 @@ LABELS = {"raw": "raw read of unique bytes (1 proc)", "deliver": "gloo delivery 
 #: The goals of issue 41 (local files, W = 4): solosave / (raw + deliver) and solosave / dcp.
 GOALS = {"raw_plus_deliver": 1.15, "dcp": 0.5}
 LOAD_WS = 4
+#: The replica sweep: this many ranks load a checkpoint saved by one, as R = 1, 2, 4, 8 replicas.
+SWEEP_WS = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +193,66 @@ def rank_load(rank: int, ws: int, case: Json, cfg: Json) -> Json:
     return {"rank": rank, "times": times, "read": read, "lib": lib, "exact": exact, "unique": unique}
 
 
+def rank_sweep(rank: int, ws: int, path: str, replicas: int, total_mib: int) -> Json:
+    """One load per method of the checkpoint at ``path`` (saved at W = 1) by ``ws`` ranks as
+    ``replicas`` x ``ws / replicas`` shards: bytes of ``.distcp`` files read by this rank
+    (os.preadv/os.pread for solosave, /proc/self/io rchar for stock DCP) and the time."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import solosave
+    from benchmarks.ranks import counting_distcp_reads
+
+    torch.set_num_threads(1)
+    want = _values(total_mib)
+    sd = _state(ws, {k: torch.zeros_like(v) for k, v in want.items()}, replicas)
+    out: Json = {}
+    solosave.load(sd, path, cooperative=False)  # warm-up (imports, first reads): not timed
+    for m in ("dcp", "solosave_coop", "solosave_alone"):
+        for t in sd.values():
+            t.to_local().zero_()
+        dist.barrier()
+        before = _rchar()
+        with counting_distcp_reads() as counted:
+            t0 = time.perf_counter()
+            if m == "dcp":
+                dcp.load(sd, checkpoint_id=path)
+            else:
+                solosave.load(sd, path, cooperative=m == "solosave_coop")
+            dt = time.perf_counter() - t0
+        read = _rchar() - before if m == "dcp" else counted[0]
+        exact = all(torch.equal(sd[k].full_tensor(), v) for k, v in want.items())
+        out[m] = {"read": read, "seconds": dt, "exact": exact}
+    return out
+
+
+def run_replica_sweep(cfg: Json, out_dir: Path, progress: Any) -> Json:
+    """W = 8 ranks load a checkpoint saved by one rank as R = 1, 2, 4, 8 replicas: the bytes
+    the job reads from the data files over the checkpoint's, per method."""
+    from benchmarks import coop_load as rank_fns
+    from benchmarks.ranks import run_ranks
+
+    data = out_dir / "data" / "coop-sweep"
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    path = str(data / "ckpt")
+    rows: Json = {}
+    try:
+        run_ranks(rank_fns.rank_save, 1, path, cfg["sweep_mib"], timeout=cfg["timeout"])
+        unique = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".distcp"))
+        for r in (1, 2, 4, 8):
+            progress.step(f"coop sweep R={r}")
+            per_rank = run_ranks(rank_fns.rank_sweep, SWEEP_WS, path, r, cfg["sweep_mib"], timeout=cfg["timeout"])
+            rows[str(r)] = {m: {"read_over_unique": sum(p[m]["read"] for p in per_rank) / unique,
+                                "seconds": max(p[m]["seconds"] for p in per_rank),
+                                "exact": all(p[m]["exact"] for p in per_rank)}
+                            for m in ("dcp", "solosave_coop", "solosave_alone")}
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+    return {"world_size": SWEEP_WS, "total_mib": cfg["sweep_mib"], "unique_bytes": unique, "replicas": rows}
+
+
 # ---------------------------------------------------------------------------------------------
 # Driver, aggregation, table and plot (parent process)
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +315,11 @@ def run_coop_bench(cfg: Json, out_dir: Path, progress: Any) -> Json:
                 except (AssertionError, RuntimeError, ImportError) as e:
                     report["cases"][f"{name} | {storage}"] = {"error": str(e)}
                     progress.note(f"[coop {name}, {storage}] FAILED:\n{e}")
+        try:
+            report["sweep"] = run_replica_sweep(cfg, out_dir, progress)
+        except AssertionError as e:
+            report["sweep"] = {"error": str(e)}
+            progress.note(f"[coop sweep] FAILED:\n{e}")
     finally:
         shutil.rmtree(data, ignore_errors=True)
     return report
@@ -287,6 +359,18 @@ def print_coop(coop: Json) -> None:
             print(f"{name:<40} {LABELS[m]:<35} {v['median_ms']:>9.1f} {v['min_ms']:>6.0f}-{v['max_ms']:<6.0f} {rus:>11}")
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in c["ratios"].items())
         print(f"{'':<40} bit-exact: {'yes' if c['exact'] else 'NO'}; {ratios}")
+    sweep = coop.get("sweep")
+    if sweep and "error" not in sweep:
+        print()
+        print(f"=== replicas: W={sweep['world_size']} ranks load a {sweep['total_mib']} MiB checkpoint saved by one "
+              "rank as R replicas; bytes read from the data files / the checkpoint's, and the slowest rank's time ===")
+        print(f"{'R':>3} {'stock dcp.load':>24} {'solosave, cooperative':>24} {'solosave, alone':>24}")
+        for r, row in sweep["replicas"].items():
+            cells = [f"{row[m]['read_over_unique']:.2f}x {row[m]['seconds'] * 1e3:6.0f} ms"
+                     + ("" if row[m]["exact"] else " NOT EXACT") for m in ("dcp", "solosave_coop", "solosave_alone")]
+            print(f"{r:>3} {cells[0]:>24} {cells[1]:>24} {cells[2]:>24}")
+    elif sweep:
+        print(f"replica sweep FAILED: {sweep['error'].strip().splitlines()[-1]}")
 
 
 def plot_coop(coop: Json, out: Path) -> list[Path]:

@@ -10,7 +10,8 @@ of :meth:`Cooperation.run` (it is about to read: its records by file), :meth:`Co
 
 1. the sketch (:mod:`solosave._src.coordination.sketch`): one ``all_reduce(SUM)`` of 4,099 int64
    counters over the keys of this rank's records of at least :data:`SHARE_MIN` bytes (file,
-   offset, length, and which parts of the record it needs: :func:`_parts`). A rank that failed
+   offset, length, and the part shared: the whole record, where this rank needs all of it:
+   :func:`_shareable`). A rank that failed
    is counted in the last slot: then every rank stops here
    (:class:`~solosave._src.core.errors.FailedElsewhere`; the load's own agreement then raises
    the failing rank's error on every rank). No bucket above one proves that no range is shared:
@@ -47,7 +48,6 @@ from __future__ import annotations
 import pickle
 import socket
 import time
-import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +58,7 @@ import torch
 from solosave._src.coordination.channel import Channel
 from solosave._src.coordination.sketch import Key, any_shared, candidates, failed_ranks, hosts_differ, sketch_of
 from solosave._src.core.errors import FailedElsewhere
+from solosave._src.load.whole_reads import WholeRead
 
 __all__ = ["SHARE_MIN", "WINDOW", "CoopStats", "Cooperation", "assign_readers", "plan_rounds"]
 
@@ -65,6 +66,8 @@ __all__ = ["SHARE_MIN", "WINDOW", "CoopStats", "Cooperation", "assign_readers", 
 SHARE_MIN = 64 << 10
 #: Bytes a rank reads or receives per round (its extra memory, unless one range is larger).
 WINDOW = 256 << 20
+#: The last part of a key: which part of the record is shared (only whole records are, today).
+WHOLE = 0
 
 
 @dataclass
@@ -152,18 +155,22 @@ class Cooperation:
         self._sketch(None)
 
     def run(self, files: dict[str, list[Any]], fetch: Callable[[str, int, torch.Tensor], bool],
-            decode: Callable[[Any, torch.Tensor], None], whole_below: int = 0) -> dict[str, list[Any]]:
+            decode: Callable[[Any, torch.Tensor], None], whole_below: int = 0,
+            metadata: Any = None) -> dict[str, list[Any]]:
         """``files``: this rank's records (``offset``, ``length``) by file. Reads and receives the
         shared ones, decoding each with ``decode(record, bytes)``; ``fetch(file, offset, into)``
         reads a range from storage (returns whether it opened a file); ``whole_below``: records
         shorter than this are read whole by the caller's read path even where a rank needs only
-        part of one (:func:`_parts`). Returns the records left for this rank to read alone."""
+        part of one; ``metadata``: the load's (:func:`_shareable`). Returns the records left for
+        this rank to read alone."""
         mine: dict[Key, list[Any]] = defaultdict(list)
         for rel, records in files.items():
             for rec in records:
-                mine[(rel, int(rec.offset), int(rec.length), _parts(rec, whole_below))].append(rec)
+                if _shareable(rec, whole_below, metadata):
+                    mine[(rel, int(rec.offset), int(rec.length), WHOLE)].append(rec)
         big = [k for k in mine if k[2] >= self.share_min]
         summed = self._sketch(big)
+        alone = sum(int(r.length) for records in files.values() for r in records) - sum(k[2] for k in mine)
         if failed_ranks(summed):
             if not files:  # standing aside: nothing of this rank's failed
                 return files
@@ -172,7 +179,7 @@ class Cooperation:
                                       and not hosts_differ(summed, self.channel.world_size)):
             return files
         maybe = candidates(big, summed)
-        alone = sum(k[2] for k in mine) - sum(k[2] for k in maybe)
+        alone += sum(k[2] for k in mine) - sum(k[2] for k in maybe)
         gathered = self.channel.all_gather_object((self.host, alone, maybe))
         assignment = assign_readers([(host, keys) for host, _, keys in gathered], [n for _, n, _ in gathered])
         if not assignment:
@@ -183,8 +190,8 @@ class Cooperation:
             raise error
         shared = set(assignment)
         return {rel: kept for rel, records in files.items()
-                if (kept := [r for r in records
-                             if (rel, int(r.offset), int(r.length), _parts(r, whole_below)) not in shared])}
+                if (kept := [r for r in records if (rel, int(r.offset), int(r.length), WHOLE) not in shared
+                             or not _shareable(r, whole_below, metadata)])}
 
     # -- steps ------------------------------------------------------------------------------------
     def _sketch(self, keys: Sequence[Key] | None) -> list[int]:
@@ -264,17 +271,25 @@ class Cooperation:
         return None
 
 
-def _parts(rec: Any, whole_below: int) -> int:
-    """A digest of the parts of a record this rank needs (its items' offsets and lengths in the
-    saved chunk). Ranks share a record only when they need the same parts of it: replicas do;
-    ranks that reshard a chunk need different parts, and the read path reads only the part each
-    needs (a contiguous one: its bytes alone), so each byte is read once without sharing. A record
-    shorter than ``whole_below`` (the read path's threshold of ranged reads of a record) is read
-    whole by every rank that needs any part of it: the record is the unit (digest 0)."""
-    if rec.length < whole_below:  # read whole by every rank that needs any of it: share it whole
-        return 0
-    parts = sorted((tuple(getattr(i, "storage_offsets", ())), tuple(getattr(i, "lengths", ()))) for i in rec.items)
-    return zlib.crc32(repr(parts).encode())
+def _shareable(rec: Any, whole_below: int, metadata: Any) -> bool:
+    """Whether this rank's need of record ``rec`` is the whole record, so that the record can be
+    shared: a record shorter than ``whole_below`` (the caller's read path reads it whole anyway),
+    or one whose every item covers its whole saved chunk (``metadata``: the load's, for the chunk
+    sizes; a read planned without DCP's planner is whole by construction). A rank that needs a
+    part of a large record (resharding) reads that part alone, straight into its target: a chunk
+    split between ranks is then read once without sharing, and replicas of a part read it each
+    (sharing parts of records is not built)."""
+    if rec.length < whole_below:
+        return True
+    for item in rec.items:
+        if isinstance(item, WholeRead):
+            continue
+        chunks = getattr((getattr(metadata, "state_dict_metadata", None) or {}).get(item.storage_index.fqn), "chunks",
+                         None)
+        chunk = next((c for c in chunks or () if tuple(c.offsets) == tuple(item.storage_index.offset or ())), None)
+        if chunk is None or any(item.storage_offsets) or tuple(item.lengths) != tuple(chunk.sizes):
+            return False
+    return True
 
 
 def _portable(error: Exception) -> Any:

@@ -462,7 +462,8 @@ def read_items(directory: str | os.PathLike, items: Sequence[Any], storage_data:
     if cooperation is not None:
         fetch = LocalRanges(directory)
         try:
-            files = cooperation.run(files, fetch, loader.decode_in_memory, whole_below=DIRECT_MIN)
+            files = cooperation.run(files, fetch, loader.decode_in_memory, whole_below=DIRECT_MIN,
+                                    metadata=getattr(planner, "metadata", None))
         finally:
             fetch.close()
     for rel, records in sorted(files.items()):
