@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -98,6 +99,10 @@ try:
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.tools import filesystem
 except ImportError as e:  # torchtitan missing, or installed without a dependency it imports
+    if sys.version_info < (3, 11):  # torchtitan 0.3 needs 3.11: [torchtitan] installs nothing on 3.10
+        raise ImportError(f"solosave.titan needs torchtitan 0.3, which needs Python 3.11 or newer (this is "
+                          f"{sys.version_info.major}.{sys.version_info.minor}); use Python 3.11+, then "
+                          "pip install 'solosave[torchtitan]'") from e
     raise ImportError(f"solosave.titan needs torchtitan 0.3 ({e}); install it with: "
                       "pip install 'solosave[torchtitan]'") from e
 
