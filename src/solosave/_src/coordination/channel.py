@@ -212,7 +212,7 @@ class Channel:
         receive, in order. Counted as ``send`` and ``recv`` with their bytes."""
         raise NotImplementedError
 
-    def transfers(self) -> Transfers:
+    def transfers(self, tag_base: int = 0) -> Transfers:
         """Point-to-point messages of one round of a cooperative load (:class:`Transfers`): not
         collective, the ranks of the round's messages take part."""
         raise NotImplementedError
@@ -255,80 +255,107 @@ def _decode_receipt(data: bytes) -> str | None:
 
 
 class Transfers:
-    """The messages of one round of a cooperative load, from this rank's side: receives posted
-    first (:meth:`recv`, in the order the other side sends them), sends posted as their bytes
-    are ready (:meth:`send`), each receive waited for as it is needed (:meth:`wait_recv`), then
-    :meth:`finish`. Message ``i`` from rank ``a`` to rank ``b`` is matched by ``b``'s receive
-    ``i`` from ``a`` (the order is the tag). Each wait is bounded by the channel's timeout
+    """The messages of one round of a cooperative load, from this rank's side: every send
+    (:meth:`send`) and receive (:meth:`recv`) is listed first, then :meth:`start` posts them all
+    at once (``batch_isend_irecv``: on NCCL, sends and receives between the same two ranks must
+    be posted together, or each waits for the other), then each receive is waited for as it is
+    needed (:meth:`wait_recv`), then :meth:`finish`. Message ``i`` from rank ``a`` to rank ``b``
+    is matched by ``b``'s receive ``i`` from ``a``: the order in which both sides list them; each
+    message's tag is ``tag_base`` + that order, so that a message of another round or load cannot
+    be taken for one of this round. Each wait is bounded by the channel's timeout
     (:class:`ChannelError` past it). Counted as ``send`` and ``recv`` with their bytes."""
 
     def recv(self, src: int, into: torch.Tensor) -> int:
-        """Post a receive of ``into.numel()`` bytes from group rank ``src``; returns its handle."""
+        """List a receive of ``into.numel()`` bytes from group rank ``src``; returns its handle."""
         raise NotImplementedError
 
     def send(self, dst: int, data: torch.Tensor) -> None:
-        """Post a send of ``data`` (1-D uint8 CPU, not changed until :meth:`finish`) to ``dst``."""
+        """List a send of ``data`` (1-D uint8 CPU, not changed until :meth:`finish`) to ``dst``."""
+        raise NotImplementedError
+
+    def start(self) -> None:
         raise NotImplementedError
 
     def wait_recv(self, handle: int) -> None:
         raise NotImplementedError
 
     def finish(self) -> None:
-        """Wait for every message posted (sends included)."""
+        """Wait for every message (sends included)."""
         raise NotImplementedError
 
 
 class _DistTransfers(Transfers):
-    def __init__(self, ch: DistChannel) -> None:
-        self.ch = ch
+    def __init__(self, ch: DistChannel, tag_base: int) -> None:
+        self.ch, self.tag_base = ch, tag_base
         self.staged = _device_of(ch.group)  # NCCL moves device tensors only: stage through the GPU
         self.limit = datetime.timedelta(seconds=ch.timeout)
-        self.tags: dict[tuple[str, int], int] = {}
-        self.sends: list[Any] = []
-        self.recvs: list[tuple[Any, torch.Tensor, torch.Tensor, bool]] = []  # work, into, box, done
+        self.counts: dict[tuple[str, int], int] = {}
+        self.ops: list[Any] = []
+        self.works: list[Any] = []
+        self.recvs: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # op index, into, box
+        self.done: set[int] = set()
+        self.waited: set[int] = set()  # indices into works
+        self.on_device: dict[int, torch.Tensor] = {}  # one staged copy per buffer sent
         self.sent = self.received = 0
         self.t0 = time.perf_counter()
 
     def _tag(self, way: str, rank: int) -> int:
-        tag = self.tags[(way, rank)] = self.tags.get((way, rank), -1) + 1
-        return tag
+        n = self.counts[(way, rank)] = self.counts.get((way, rank), -1) + 1
+        return self.tag_base + n
 
     def recv(self, src: int, into: torch.Tensor) -> int:
         box = into if self.staged is None else torch.empty_like(into, device=self.staged)
-        work = self.ch._run("recv", functools.partial(dist.irecv, box, self.ch._global(src), group=self.ch.group,
-                                                      tag=self._tag("r", src)))
-        self.recvs.append((work, into, box, False))
+        self.ops.append(dist.P2POp(dist.irecv, box, self.ch._global(src), self.ch.group, self._tag("r", src)))
+        self.recvs.append((len(self.ops) - 1, into, box))
         self.received += into.numel()
         return len(self.recvs) - 1
 
     def send(self, dst: int, data: torch.Tensor) -> None:
-        out = data if self.staged is None else data.to(self.staged)
-        self.sends.append(self.ch._run("send", functools.partial(dist.isend, out, self.ch._global(dst),
-                                                                 group=self.ch.group, tag=self._tag("s", dst))))
+        out = data
+        if self.staged is not None:
+            if id(data) not in self.on_device:
+                self.on_device[id(data)] = data.to(self.staged)
+            out = self.on_device[id(data)]
+        self.ops.append(dist.P2POp(dist.isend, out, self.ch._global(dst), self.ch.group, self._tag("s", dst)))
         self.sent += data.numel()
 
-    def _wait(self, work: Any) -> None:
-        if not self.ch._run("wait", functools.partial(work.wait, self.limit)):
-            raise ChannelError(f"a transfer of a cooperative load did not complete within {self.ch.timeout:g} s")
+    def start(self) -> None:
+        if self.ops:
+            self.works = list(self.ch._run("batch_isend_irecv", functools.partial(dist.batch_isend_irecv, self.ops)))
+
+    def _work_of(self, op: int) -> list[int]:
+        """The works to wait for before op ``op`` is complete: its own where the backend returns
+        one per op (gloo), else every work (a coalesced batch, NCCL: one work for all)."""
+        return [op] if len(self.works) == len(self.ops) else list(range(len(self.works)))
+
+    def _wait(self, index: int) -> None:
+        # each work is waited for once: on gloo, a second wait of a receive waits for another one
+        if index in self.waited:
+            return
+        self.waited.add(index)
+        if not self.ch._run("wait", functools.partial(self.works[index].wait, self.limit)):
+            raise ChannelError(f"a transfer of a cooperative load did not complete within {self.ch.timeout:g} s "
+                               "(a peer stopped or is slower than that): the load fails on this rank")
 
     def wait_recv(self, handle: int) -> None:
-        work, into, box, done = self.recvs[handle]
-        if done:
+        if handle in self.done:
             return
-        self._wait(work)
+        op, into, box = self.recvs[handle]
+        for index in self._work_of(op):
+            self._wait(index)
         if box is not into:
             into.copy_(box)
-        self.recvs[handle] = (work, into, box, True)
+        self.done.add(handle)
 
     def finish(self) -> None:
         for i in range(len(self.recvs)):
             self.wait_recv(i)
-        for work in self.sends:
-            self._wait(work)
+        for index in range(len(self.works)):
+            self._wait(index)
         seconds, thread = time.perf_counter() - self.t0, threading.current_thread().name
-        if self.sends:
+        if self.sent:
             self.ch.counter.record(CollectiveCall("send", self.sent, thread, seconds))
-        if self.recvs:
+        if self.received:
             self.ch.counter.record(CollectiveCall("recv", self.received, thread, seconds))
 
 
@@ -432,8 +459,8 @@ class DistChannel(Channel):
         self.counter.record(CollectiveCall("recv", nbytes, threading.current_thread().name, seconds))
         return inbox.numpy().tobytes()
 
-    def transfers(self) -> Transfers:
-        return _DistTransfers(self)
+    def transfers(self, tag_base: int = 0) -> Transfers:
+        return _DistTransfers(self, tag_base)
 
     def _global(self, rank: int | None) -> int:
         if rank is None:

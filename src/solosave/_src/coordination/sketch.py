@@ -1,8 +1,8 @@
 """The sketch of a cooperative load: which byte ranges might be needed by more than one rank,
 found with one small ``all_reduce`` instead of gathering every rank's list.
 
-Each rank hashes the keys of the records it would share (``(file, offset, length, what it needs
-of the record)``, each once)
+Each rank hashes the keys of the records it would share (``(file, offset, length, checkpoint)``,
+each once)
 into :data:`BUCKETS` counters and adds one to each; slot :data:`BUCKETS` counts the ranks that
 failed before reading; the last two slots add a 16-bit hash ``h`` of the rank's host and
 ``h * h``, from which every rank learns whether the job spans more than one host
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 BUCKETS = 4096
 _FAILED, _HOST, _HOST_SQ = BUCKETS, BUCKETS + 1, BUCKETS + 2
 
-#: ``(file, offset, length, digest of the parts of the record a rank needs)``.
+#: ``(file, offset, length, digest of the checkpoint's location)``.
 Key = tuple[str, int, int, int]
 
 

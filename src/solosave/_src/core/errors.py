@@ -176,8 +176,8 @@ class OutOfStep(Exception):
 
 
 class FailedElsewhere(SolosaveError):
-    """Another rank of a cooperative load failed (it could not plan or read its share): this
-    rank stopped too. :func:`solosave.load` then raises the failing rank's own error on every
+    """Another rank of a cooperative load could not read its share for the others: this rank
+    stopped too. :func:`solosave.load` then raises the failing rank's own error on every
     rank; this one is only what a rank holds before the errors are gathered."""
 
 

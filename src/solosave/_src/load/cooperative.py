@@ -1,7 +1,7 @@
 """Cooperative reads of a load: a byte range that several ranks need is read from storage by
 one of them and delivered to the others over the process group, so the job reads each byte of
 the checkpoint once (replicas: DDP, HSDP, FSDP2 with replicas, Megatron's DP groups; and
-resharding, where one saved chunk feeds several ranks).
+small records that a resharded load feeds to several ranks).
 
 Who calls what. Every rank of the load's process group, once per load pass, calls exactly one
 of :meth:`Cooperation.run` (it is about to read: its records by file), :meth:`Cooperation.stand_aside`
@@ -9,36 +9,36 @@ of :meth:`Cooperation.run` (it is about to read: its records by file), :meth:`Co
 (it failed before reading). In order, on every rank:
 
 1. the sketch (:mod:`solosave._src.coordination.sketch`): one ``all_reduce(SUM)`` of 4,099 int64
-   counters over the keys of this rank's records of at least :data:`SHARE_MIN` bytes (file,
-   offset, length, and the part shared: the whole record, where this rank needs all of it:
-   :func:`_shareable`). A rank that failed
-   is counted in the last slot: then every rank stops here
-   (:class:`~solosave._src.core.errors.FailedElsewhere`; the load's own agreement then raises
-   the failing rank's error on every rank). No bucket above one proves that no range is shared:
-   each rank reads its own records and nothing else happens here. **That is the rule of "when it
-   pays"**: only ranges of at least ``SHARE_MIN`` bytes that two or more ranks need are shared
-   (a smaller one is read by each rank that needs it: it rides in a coalesced read anyway), and,
-   for a checkpoint on local files (``scope="hosts"``), only when the job spans two or more
-   hosts (the sketch says so too): ranks of one host that read the same file share its pages in
-   the host's page cache, so the file is read from the disk once whatever they do, and
-   delivering it over the process group only adds copies (measured: docs/benchmarks.md, the
-   cooperative-load section). On an object store (``scope="all"``), every read is a request:
-   ranges are shared between any ranks;
-2. one ``all_gather_object`` of each rank's host name and candidate keys (those in buckets of
-   two or more), from which every rank computes the same plan (:func:`assign_readers`): for each
-   range needed by two or more ranks, the reader is the needing rank with the fewest bytes so far
-   on its host, then on itself (ranges by decreasing size, after each rank's unshared ranges are
-   counted), so that reads spread over hosts (their NICs) first, then over ranks;
+   counters over the keys of this rank's records of at least :data:`SHARE_MIN` bytes that it needs
+   whole (:func:`_shareable`); a key is (file, offset, length, the checkpoint's location). A rank
+   that failed before reading is counted in the last slot: then every rank reads its own records
+   alone and nothing else happens here (the load's own agreement reports the failure; a rank
+   that can still load from ``.metadata`` does). No bucket above one proves that no range is
+   shared: the same. **That is the rule of "when it pays"**: only ranges of at least
+   ``SHARE_MIN`` bytes that two or more ranks need whole are shared (a smaller one is read by
+   each rank that needs it: it rides in a coalesced read anyway), and, for a checkpoint on local
+   files (``scope="hosts"``), only when the job spans two or more hosts (the sketch says so too):
+   ranks of one host that read the same file share its pages in the host's page cache, so the
+   file is read from the disk once whatever they do, and delivering it over the process group
+   only adds copies (docs/benchmarks.md, section 11). On an object store (``scope="all"``), every
+   read is a request: ranges are shared between any ranks;
+2. one ``all_gather_object`` of each rank's host name, unshared bytes and candidate keys (those
+   in buckets of two or more), from which every rank computes the same plan
+   (:func:`assign_readers`): for each range needed by two or more ranks, the reader is the
+   needing rank with the fewest bytes so far on its host, then on itself (ranges by decreasing
+   size), so that reads spread over hosts (their NICs) first, then over ranks;
 3. rounds (:func:`plan_rounds`): in each, a rank reads or receives at most :data:`WINDOW` bytes
-   (a range larger than that has a round to itself), which bounds the memory a load adds. In each
-   round the readers read their ranges into buffers, the ranks agree (one 8-byte ``all_reduce``)
-   that every read succeeded, and only then the buffers travel (:meth:`Channel.transfer`:
-   point-to-point sends and receives, NCCL through the GPU, gloo on CPU, each wait bounded by
-   the channel's timeout), and every rank decodes the ranges it needs from memory into its
-   targets. A read that failed fails the round on every rank before any message is sent: no
-   rank waits in a transfer for a reader that gave up. A record that fails to decode (damaged
-   bytes: :class:`~solosave.CorruptCheckpointError` naming the key) is raised after the last
-   round, so that this rank still serves the others.
+   (a range larger than that has a round to itself: then the reader and each receiver hold that
+   whole range). In each round the readers read their ranges into buffers, the ranks agree that
+   every read succeeded (``agree_ok``: one 8-byte ``all_reduce`` on gloo, an
+   ``all_gather_object`` of one int on other backends), and only then every message of the
+   round is posted at once (:meth:`~solosave._src.coordination.channel.Channel.transfers`:
+   ``batch_isend_irecv``, NCCL through the GPU, gloo on CPU; each wait bounded by the channel's
+   timeout) and every rank decodes each range it needs as it arrives. A read that failed fails
+   the round on every rank before any message is posted: no rank waits in a transfer for a
+   reader that gave up. A record that fails to decode (damaged bytes:
+   :class:`~solosave.CorruptCheckpointError` naming the key) is raised after the last round, so
+   that this rank still serves the others.
 
 What remains of each rank's records (its unshared ones) is read by the caller as before.
 """
@@ -48,12 +48,14 @@ from __future__ import annotations
 import pickle
 import socket
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from solosave._src.coordination.channel import Channel
 from solosave._src.coordination.sketch import Key, any_shared, candidates, failed_ranks, hosts_differ, sketch_of
@@ -66,8 +68,6 @@ __all__ = ["SHARE_MIN", "WINDOW", "CoopStats", "Cooperation", "assign_readers", 
 SHARE_MIN = 64 << 10
 #: Bytes a rank reads or receives per round (its extra memory, unless one range is larger).
 WINDOW = 256 << 20
-#: The last part of a key: which part of the record is shared (only whole records are, today).
-WHOLE = 0
 
 
 @dataclass
@@ -78,7 +78,8 @@ class CoopStats:
     bytes_read: int = 0          # this rank's reads of shared ranges from storage
     bytes_received: int = 0      # shared ranges delivered to this rank by their readers
     bytes_sent: int = 0
-    files_opened: int = 0
+    files_opened: int = 0        # data files opened only for ranges read for the others
+    opened: set[str] = field(default_factory=set)
     rounds: int = 0
     seconds_read: float = 0.0
     seconds_exchange: float = 0.0
@@ -144,6 +145,7 @@ class Cooperation:
         self.host = host if host is not None else socket.gethostname()
         self.entered = False
         self.stats = CoopStats()
+        self.tag_base = 0
 
     def stand_aside(self) -> None:
         """Take part without reading anything in this pass (every step of :meth:`run`, with no
@@ -156,25 +158,26 @@ class Cooperation:
 
     def run(self, files: dict[str, list[Any]], fetch: Callable[[str, int, torch.Tensor], bool],
             decode: Callable[[Any, torch.Tensor], None], whole_below: int = 0,
-            metadata: Any = None) -> dict[str, list[Any]]:
+            metadata: Any = None, checkpoint: str = "") -> dict[str, list[Any]]:
         """``files``: this rank's records (``offset``, ``length``) by file. Reads and receives the
         shared ones, decoding each with ``decode(record, bytes)``; ``fetch(file, offset, into)``
         reads a range from storage (returns whether it opened a file); ``whole_below``: records
         shorter than this are read whole by the caller's read path even where a rank needs only
-        part of one; ``metadata``: the load's (:func:`_shareable`). Returns the records left for
-        this rank to read alone."""
+        part of one; ``metadata``: the load's (:func:`_shareable`); ``checkpoint``: its location
+        (ranks share only ranges of the same checkpoint: it is part of every key). Returns the
+        records left for this rank to read alone."""
+        ident = zlib.crc32(checkpoint.encode())
+        self.tag_base = (ident & 0x3FF) << 20  # + round << 12 + message: see _rounds
         mine: dict[Key, list[Any]] = defaultdict(list)
         for rel, records in files.items():
             for rec in records:
                 if _shareable(rec, whole_below, metadata):
-                    mine[(rel, int(rec.offset), int(rec.length), WHOLE)].append(rec)
+                    mine[(rel, int(rec.offset), int(rec.length), ident)].append(rec)
         big = [k for k in mine if k[2] >= self.share_min]
         summed = self._sketch(big)
         alone = sum(int(r.length) for records in files.values() for r in records) - sum(k[2] for k in mine)
-        if failed_ranks(summed):
-            if not files:  # standing aside: nothing of this rank's failed
-                return files
-            raise FailedElsewhere(f"{failed_ranks(summed)} rank(s) of the load failed before reading")
+        if failed_ranks(summed):  # the same sum on every rank: every rank reads alone
+            return files
         if not any_shared(summed) or (self.scope == "hosts"
                                       and not hosts_differ(summed, self.channel.world_size)):
             return files
@@ -190,7 +193,7 @@ class Cooperation:
             raise error
         shared = set(assignment)
         return {rel: kept for rel, records in files.items()
-                if (kept := [r for r in records if (rel, int(r.offset), int(r.length), WHOLE) not in shared
+                if (kept := [r for r in records if (rel, int(r.offset), int(r.length), ident) not in shared
                              or not _shareable(r, whole_below, metadata)])}
 
     # -- steps ------------------------------------------------------------------------------------
@@ -203,58 +206,58 @@ class Cooperation:
     def _rounds(self, rounds: list[list[Key]], assignment: dict[Key, tuple[int, tuple[int, ...]]],
                 mine: dict[Key, list[Any]], fetch: Callable[[str, int, torch.Tensor], bool],
                 decode: Callable[[Any, torch.Tensor], None]) -> Exception | None:
-        """Each round: receives posted, then each range this rank reads is read and sent at once
-        (a failed read still sends its buffer, zeroed, so that every posted receive completes),
-        each range is decoded as it arrives, and the round ends with one agreement that every
-        read succeeded (a failed one fails the round on every rank, before anything received
-        counts). A decoding error is returned once this rank served every round."""
+        """Each round: this rank reads the ranges it reads for the others, the ranks agree that
+        every read succeeded (a failed one fails the round on every rank before any message is
+        posted), then every message of the round is posted at once and each range is decoded as
+        it arrives. A decoding error is returned once this rank served every round."""
         me, st = self.channel.rank, self.stats
         late: Exception | None = None  # a decoding error: raised once this rank served every round
-        for keys in rounds:
+        for number, keys in enumerate(rounds):
             st.rounds += 1
             t0 = time.perf_counter()
-            moves = self.channel.transfers()
-            incoming = []
-            for k in keys:
-                if me in assignment[k][1]:
-                    buf = torch.empty(k[2], dtype=torch.uint8)
-                    incoming.append((k, buf, moves.recv(assignment[k][0], buf)))
             error: Exception | None = None
             held: list[tuple[Key, torch.Tensor]] = []
-            for k in keys:
-                if assignment[k][0] != me:
-                    continue
-                buf = torch.empty(k[2], dtype=torch.uint8)
-                if error is None:
-                    try:
-                        st.files_opened += bool(fetch(k[0], k[1], buf))
+            try:
+                for k in keys:
+                    if assignment[k][0] == me:
+                        buf = torch.empty(k[2], dtype=torch.uint8)
+                        if fetch(k[0], k[1], buf):
+                            st.opened.add(k[0])
                         st.bytes_read += k[2]
-                    except Exception as e:  # noqa: BLE001 - agreed at the end of the round
-                        error = e
-                if error is not None:
-                    buf.zero_()
-                for dst in assignment[k][1]:
-                    moves.send(dst, buf)
-                    st.bytes_sent += k[2]
-                held.append((k, buf))
+                        held.append((k, buf))
+            except Exception as e:  # noqa: BLE001 - agreed below: every rank stops, none sends
+                error = e
             t1 = time.perf_counter()
             st.seconds_read += t1 - t0
-            decoding = st.seconds_decode
-            if error is None and late is None:
-                late = self._decode(held, mine, decode)
-            for k, buf, h in incoming:
-                moves.wait_recv(h)
-                st.bytes_received += k[2]
-                if error is None and late is None:
-                    late = self._decode([(k, buf)], mine, decode)
-            moves.finish()
-            st.seconds_exchange += time.perf_counter() - t1 - (st.seconds_decode - decoding)
             failed = self.channel.agree_ok(None if error is None else _portable(error))
             if failed:
                 if error is not None:
                     raise error
                 rank, why = min(failed.items())
                 raise FailedElsewhere(f"rank {rank} could not read its share of the cooperative load: {why}")
+            # tags: 10 bits of the checkpoint, 8 of the round, 12 of the message (a rank sends at most
+            # WINDOW / SHARE_MIN = 4096 messages to one rank in a round)
+            moves = self.channel.transfers(self.tag_base + ((number & 0xFF) << 12))
+            incoming = []
+            for k in keys:
+                if me in assignment[k][1]:
+                    buf = torch.empty(k[2], dtype=torch.uint8)
+                    incoming.append((k, buf, moves.recv(assignment[k][0], buf)))
+            for k, buf in held:
+                for dst in assignment[k][1]:
+                    moves.send(dst, buf)
+                    st.bytes_sent += k[2]
+            moves.start()
+            decoding = st.seconds_decode
+            if late is None:
+                late = self._decode(held, mine, decode)
+            for k, buf, h in incoming:
+                moves.wait_recv(h)
+                st.bytes_received += k[2]
+                if late is None:
+                    late = self._decode([(k, buf)], mine, decode)
+            moves.finish()
+            st.seconds_exchange += time.perf_counter() - t1 - (st.seconds_decode - decoding)
         return late
 
     def _decode(self, ranges: list[tuple[Key, torch.Tensor]], mine: dict[Key, list[Any]],
@@ -282,8 +285,8 @@ def _shareable(rec: Any, whole_below: int, metadata: Any) -> bool:
     if rec.length < whole_below:
         return True
     for item in rec.items:
-        if isinstance(item, WholeRead):
-            continue
+        if isinstance(item, WholeRead) or getattr(item, "type", None) == LoadItemType.BYTE_IO:
+            continue  # a whole read; a non-tensor record is always read whole
         chunks = getattr((getattr(metadata, "state_dict_metadata", None) or {}).get(item.storage_index.fqn), "chunks",
                          None)
         chunk = next((c for c in chunks or () if tuple(c.offsets) == tuple(item.storage_index.offset or ())), None)

@@ -10,8 +10,8 @@ a rank had no usable index, the ``.metadata`` path below for the ranks that did 
 its reads, each pass of a load with two or more ranks (unless ``cooperative=False``) runs the
 steps of a cooperative load on every rank (:mod:`solosave._src.load.cooperative`: a 32 KiB
 ``all_reduce`` sketch; only where ranges are shared, an ``all_gather_object`` and, per round, an
-8-byte ``all_reduce`` and point-to-point transfers); a rank that reads nothing in that pass
-takes part as one that stands aside. For
+agreement and point-to-point transfers); a rank that reads nothing in that pass takes part as
+one that stands aside. For
 any other checkpoint: :func:`load` -> the coordinator (group rank 0) reads ``.metadata`` from storage and broadcasts
 its bytes (or the reason it could not) in one ``broadcast_object_list`` through
 :class:`~solosave._src.coordination.channel.Channel` -> every rank unpickles them (allowlisted), so storage
@@ -129,12 +129,12 @@ class SafeFileSystemReader(FileSystemReader):
             if whole:
                 raise AssertionError("internal: whole reads need the fast read path")
             _take_part(self.cooperation, failed=False)  # DCP's own path reads alone
-            self.last_read_stats = _dcp_read_stats(needed)
-            return super().read_data(plan, planner)  # DCP's own path (stream transforms)
+            t0 = time.perf_counter()
+            done = super().read_data(plan, planner)  # DCP's own path (stream transforms)
+            self._count(_dcp_read_stats(needed), t0)
+            return done
         t0 = time.perf_counter()
-        self.last_read_stats = read_items(self.path, plan.items, self.storage_data, planner, whole,
-                                          self.cooperation)
-        self.last_read_seconds = time.perf_counter() - t0
+        self._count(read_items(self.path, plan.items, self.storage_data, planner, whole, self.cooperation), t0)
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -142,10 +142,15 @@ class SafeFileSystemReader(FileSystemReader):
     #: Read with :func:`solosave._src.load.read_path.read_items` (one pass per file, payloads straight into
     #: the targets); ``False``: DCP's ``FileSystemReader.read_data`` (one ``torch.load`` per record).
     fast_read: bool = True
-    #: What the last ``read_data`` did (``None`` before one), and how long its reads took (the
-    #: cooperative part included).
+    #: What the last ``read_data`` did (``None`` before one).
     last_read_stats: ReadStats | None = None
-    last_read_seconds: float = 0.0
+    #: What every ``read_data`` of this reader did, with how long each took (the cooperative
+    #: part included): one per load pass.
+    reads: tuple[tuple[ReadStats, float], ...] = ()
+
+    def _count(self, stats: ReadStats, t0: float) -> None:
+        self.last_read_stats = stats
+        self.reads = (*self.reads, (stats, time.perf_counter() - t0))
     #: Set by :func:`load` for one pass: ``read_data`` takes part in this cooperative load
     #: (:mod:`solosave._src.load.cooperative`; every rank of the load, once).
     cooperation: Cooperation | None = None
@@ -199,12 +204,13 @@ class SafeStorageReader(SafeFileSystemReader):
             if whole:
                 raise AssertionError("internal: whole reads need the fast read path")
             _take_part(self.cooperation, failed=False)  # DCP's own path reads alone
-            self.last_read_stats = _dcp_read_stats(needed)
-            return FileSystemReader.read_data(self, plan, planner)
+            t0 = time.perf_counter()
+            done = FileSystemReader.read_data(self, plan, planner)
+            self._count(_dcp_read_stats(needed), t0)
+            return done
         t0 = time.perf_counter()
-        self.last_read_stats = read_items_by_ranges(self.storage, os.fspath(self.path), plan.items, self.storage_data,
-                                                    planner, whole, cooperation=self.cooperation)
-        self.last_read_seconds = time.perf_counter() - t0
+        self._count(read_items_by_ranges(self.storage, os.fspath(self.path), plan.items, self.storage_data,
+                                         planner, whole, cooperation=self.cooperation), t0)
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -258,7 +264,7 @@ def _take_part(coop: Cooperation | None, failed: bool) -> None:
     except FailedElsewhere:
         pass  # another rank's failure: the load's agreement reports it
     except Exception as e:  # noqa: BLE001 - the load already has its outcome; the agreement follows
-        log.warning("solosave.load: the cooperative load's sketch failed on this rank: %s", e)
+        log.warning("solosave.load: taking part in the cooperative load failed on this rank: %s", e)
 
 
 def _set_at(root: Any, path: Sequence[Any], value: Any) -> None:
@@ -378,7 +384,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     ``None`` (default): on for a URL; on local files only when the ranks span two or more hosts
     (ranks of one host share its page cache). ``True``: between any ranks; ``False``: off. Costs
     one 32 KiB ``all_reduce`` (then nothing else when nothing is shared), else an
-    ``all_gather_object`` of the shared keys and one 8-byte ``all_reduce`` per round.
+    ``all_gather_object`` of the shared keys and one agreement per round.
 
     Returns a :class:`~solosave.LoadResult`: the path loaded from (a ``str``: with two tiers, the
     copy loaded), with what this rank read, received and sent, files opened, seconds per phase.
@@ -505,17 +511,17 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: An
 def _result(path: str | os.PathLike, rank: int, reader: SafeFileSystemReader, coops: Sequence[Cooperation],
             seconds: float) -> LoadResult:
     """This rank's :class:`LoadResult` of a load from ``path``."""
-    own = reader.last_read_stats or ReadStats()
+    own = [stats for stats, _ in reader.reads]
     shared = [c.stats for c in coops]
     return LoadResult(
         os.fspath(path), rank=rank,
-        bytes_read=own.bytes_read + sum(c.bytes_read for c in shared),
+        bytes_read=sum(o.bytes_read for o in own) + sum(c.bytes_read for c in shared),
         bytes_received=sum(c.bytes_received for c in shared), bytes_sent=sum(c.bytes_sent for c in shared),
-        files_opened=own.files + sum(c.files_opened for c in shared),
+        files_opened=sum(o.files for o in own) + sum(c.files_opened for c in shared),
         shared_ranges=max((c.shared_ranges for c in shared), default=0), rounds=sum(c.rounds for c in shared),
         seconds={"total": seconds,
-                 "read": max(0.0, reader.last_read_seconds - sum(c.seconds_read + c.seconds_exchange + c.seconds_decode
-                                                                  for c in shared)),
+                 "read": max(0.0, sum(t for _, t in reader.reads) - sum(c.seconds_read + c.seconds_exchange
+                                                                         + c.seconds_decode for c in shared)),
                  "shared_read": sum(c.seconds_read for c in shared),
                  "exchange": sum(c.seconds_exchange for c in shared),
                  "shared_decode": sum(c.seconds_decode for c in shared)})

@@ -270,7 +270,9 @@ def read_items_by_ranges(storage: Storage, directory: str, items: Sequence[Any],
         try:
             if cooperation is not None:
                 files = cooperation.run(files, _StorageRanges(storage, directory, pool), loader.decode_in_memory,
-                                        whole_below=HUGE_BYTES, metadata=getattr(planner, "metadata", None))
+                                        whole_below=HUGE_BYTES, metadata=getattr(planner, "metadata", None),
+                                        checkpoint=directory)
+                cooperation.stats.files_opened = len(cooperation.stats.opened - set(files))  # not counted below
             loader.load(files)
         except BaseException:
             loader._queued = []  # nothing more is read into the targets

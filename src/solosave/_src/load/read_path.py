@@ -463,7 +463,9 @@ def read_items(directory: str | os.PathLike, items: Sequence[Any], storage_data:
         fetch = LocalRanges(directory)
         try:
             files = cooperation.run(files, fetch, loader.decode_in_memory, whole_below=DIRECT_MIN,
-                                    metadata=getattr(planner, "metadata", None))
+                                    metadata=getattr(planner, "metadata", None),
+                                    checkpoint=os.path.abspath(os.fspath(directory)))
+            cooperation.stats.files_opened = len(cooperation.stats.opened - set(files))  # not counted below
         finally:
             fetch.close()
     for rel, records in sorted(files.items()):
