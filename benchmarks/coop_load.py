@@ -71,7 +71,9 @@ def _values(total_mib: int) -> dict[str, Any]:
     return {f"w{i}": torch.rand(rows, 1024, generator=g) for i in range(n)}
 
 
-def _state(ws: int, vals: dict[str, Any], replicas: int) -> dict[str, Any]:
+def sharded_state(ws: int, vals: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
+    """``vals`` as DTensors over ``ws`` ranks: ``Shard(0)`` over a 1-d mesh (``replicas`` = 1), or
+    ``replicas`` x shards over a 2-d mesh (``[Replicate(), Shard(0)]``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -87,7 +89,7 @@ def rank_save(rank: int, ws: int, path: str, total_mib: int) -> None:
     import solosave
 
     with solosave.AsyncCheckpointer(worker="thread") as ckpt:
-        ckpt.save(_state(ws, _values(total_mib), 1), path).wait(timeout=300)
+        ckpt.save(sharded_state(ws, _values(total_mib), 1), path).wait(timeout=300)
 
 
 def _rchar() -> int:
@@ -116,7 +118,7 @@ def rank_load(rank: int, ws: int, case: Json, cfg: Json) -> Json:
     path, url = case["path"], case.get("url")
     target = url or path
     want = _values(cfg["total_mib"])
-    sd = _state(ws, {k: torch.zeros_like(v) for k, v in want.items()}, case["replicas"])
+    sd = sharded_state(ws, {k: torch.zeros_like(v) for k, v in want.items()}, case["replicas"])
     files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp"))
     unique = sum(os.path.getsize(f) for f in files)
     share = torch.ones(unique // ws, dtype=torch.uint8)
@@ -206,7 +208,7 @@ def rank_sweep(rank: int, ws: int, path: str, replicas: int, total_mib: int) -> 
 
     torch.set_num_threads(1)
     want = _values(total_mib)
-    sd = _state(ws, {k: torch.zeros_like(v) for k, v in want.items()}, replicas)
+    sd = sharded_state(ws, {k: torch.zeros_like(v) for k, v in want.items()}, replicas)
     out: Json = {}
     solosave.load(sd, path, cooperative=False)  # warm-up (imports, first reads): not timed
     for m in ("dcp", "solosave_coop", "solosave_alone"):

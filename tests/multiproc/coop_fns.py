@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import solosave
+from benchmarks.coop_load import sharded_state as _state
 from benchmarks.ranks import counting_distcp_reads
 
 SHAPES = {"w0": ((512, 256), torch.float32), "w1": ((1024, 96), torch.bfloat16), "e": ((2048, 64), torch.int8)}
@@ -31,18 +32,6 @@ def values() -> dict[str, torch.Tensor]:
         out[k] = (torch.randn(shape, generator=g).to(dt) if dt.is_floating_point
                   else torch.randint(-100, 100, shape, generator=g).to(dt))
     return out
-
-
-def _state(ws: int, vals: dict[str, torch.Tensor], replicas: int = 1) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    if replicas == 1:
-        mesh, placements = init_device_mesh("cpu", (ws,)), [Shard(0)]
-    else:
-        mesh = init_device_mesh("cpu", (replicas, ws // replicas), mesh_dim_names=("dp", "shard"))
-        placements = [Replicate(), Shard(0)]
-    return {k: distribute_tensor(v, mesh, placements) for k, v in vals.items()}
 
 
 def save(rank: int, ws: int, path: str) -> None:
