@@ -55,6 +55,7 @@ from solosave._src.storage.registry import backend_for, storage_for
 from solosave._src.tiers.choice import choose_restore_point
 from solosave._src.tiers.peer_repair import restore_from_peers
 from solosave._src.tools.framework import AUTO, PublishedSave, Publisher
+from solosave._src.tools.preemption import PreemptionGuard, StopOutcome
 from solosave._src.tools.retention import Pruner, remove_checkpoint
 
 log = logging.getLogger("solosave")
@@ -206,13 +207,15 @@ def find_restore_point(save_dir: str | os.PathLike | None, durable_root: str | o
     ``peer_ranks_per_host``): first, the hosts whose fast tier misses part of the newest step
     that the hosts hold between them get those files from whichever hosts hold them
     (:mod:`solosave._src.tiers.peer_repair`: one ``all_gather_object`` of what each rank holds,
-    then the transfers, only when a host misses something)."""
+    then the transfers, only when a host misses something). Files that no surviving host holds
+    (more than ``peer_copies`` hosts lost) are copied from the durable copy of the same step,
+    and only those (one ``broadcast_object`` more, of the first rank's look at the durable tier)."""
     if not durable_root:
         return find_latest_checkpoint(save_dir, storage_options)
     if ranks_per_host and save_dir:
         storage = storage_for(save_dir, storage_options)
         here = {step: storage.basename(path) for step, path in published_checkpoints(save_dir, storage_options)}
-        restore_from_peers(save_dir, here, ranks_per_host, process_group, storage_options)
+        restore_from_peers(save_dir, here, ranks_per_host, process_group, storage_options, durable_root)
     fast = dict(published_checkpoints(save_dir, storage_options)) if save_dir else {}
     durable = dict(published_checkpoints(durable_root, storage_options))
     candidates = [(step, fast.get(step), durable.get(step)) for step in set(fast) | set(durable)]
@@ -349,6 +352,8 @@ class CheckpointManager:
         self.overwrite = overwrite
         #: Every finished save, and the failed ones among them (each was logged).
         self.done: list[PublishedSave] = self._publisher.done
+        #: The step of the last :meth:`save` call (``None`` before the first).
+        self.last_saved_step: int | None = None
         self.failures: list[PublishedSave] = self._publisher.failures
         self._published_step: int | None = None  # read by the pruner's thread
         #: Two tiers: the durable root (the checkpointer's), the copies not yet ended and the
@@ -405,9 +410,17 @@ class CheckpointManager:
         With ``async_save`` it returns after staging; otherwise it waits for publication. A
         previous save still in flight is finished first."""
         handle = self._publisher.save(step, state_dict, checkpoint_dir(self.save_dir, step), overwrite=self.overwrite)
+        self.last_saved_step = step
         if not self.async_save:
             self._publisher.collect(block=True)
         return handle
+
+    def wait(self, timeout: float | None = None) -> list[PublishedSave]:
+        """Wait for the save in flight to end, published or failed.
+
+        Bounded by ``timeout`` (default the checkpointer's); the checkpointer stays open.
+        Returns the saves that ended."""
+        return self._publisher.collect(block=True, timeout=timeout)
 
     def poll(self) -> list[PublishedSave]:
         """Collect the save in flight if it has finished, and the durable copies that ended.
@@ -526,7 +539,8 @@ def read_latest_marker(save_dir: str | os.PathLike, storage_options: StorageOpti
 
 
 __all__ = [
-    "AUTO", "LATEST_FILE", "CheckpointManager", "DurableSave", "PublishedSave", "add_checkpoint_args",
+    "AUTO", "LATEST_FILE", "CheckpointManager", "DurableSave", "PreemptionGuard", "PublishedSave", "StopOutcome",
+    "add_checkpoint_args",
     "auto_prepared_path", "checkpoint_dir", "checkpointer_from_args", "find_latest_checkpoint",
     "find_restore_point", "prepared_for_resume",
     "prunable_checkpoints", "published_checkpoints", "read_latest_marker", "validate_checkpoint_args",

@@ -75,10 +75,15 @@ def _files(root, h, name="iter_0000002"):
     return sorted(os.listdir(d)) if d.is_dir() else []
 
 
-@pytest.mark.parametrize("hosts_n,per_host,copies,lost", [(4, 1, 1, (2,)), (4, 1, 2, (0, 3)), (3, 2, 1, (1,))],
-                         ids=["4x1-K1-lose-host2", "4x1-K2-lose-hosts0and3", "3x2-K1-lose-host1"])
+@pytest.mark.parametrize("hosts_n,per_host,copies,lost",
+                         [(4, 1, 1, (2,)), (4, 1, 2, (0, 3)), (3, 2, 1, (1,)), (4, 1, 2, (0, 1, 2))],
+                         ids=["4x1-K1-lose-host2", "4x1-K2-lose-hosts0and3", "3x2-K1-lose-host1",
+                              "4x1-K2-lose-three-hosts"])
 def test_peer_copies_on_many_hosts_restore_lost_hosts_with_nothing_from_the_durable_tier(
         network, tmp_path, case_log, hosts_n, per_host, copies, lost):
+    """Up to K hosts lost: the durable tier is removed before the restore. More than K: the
+    durable copy keeps only the files no survivor holds (and its .metadata); every other data
+    file is removed from it, so a restore that read any of them could not end bit-exact."""
     hosts = network(hosts_n)
     for d in ["fast", *(f"host{h}" for h in range(hosts_n))]:
         (tmp_path / d).mkdir()
@@ -102,7 +107,17 @@ def test_peer_copies_on_many_hosts_restore_lost_hosts_with_nothing_from_the_dura
     for h in lost:  # the lost hosts' fast tiers, and the whole durable tier: nothing to read there
         shutil.rmtree(tmp_path / f"host{h}")
         (tmp_path / f"host{h}").mkdir()
-    shutil.rmtree(tmp_path / "durable")
+    survivors = [h for h in range(hosts_n) if h not in lost]
+    held = {n for h in survivors for n in before[h]}
+    nobody = sorted({n for h in lost for n in before[h]} - held)
+    assert bool(nobody) == (len(lost) > copies), nobody
+    if nobody:  # more than K lost: the durable copy keeps exactly the files nobody else holds
+        for step_dir in (tmp_path / "durable").glob("iter_*"):
+            for f in step_dir.iterdir():
+                if f.name.endswith(".distcp") and f.name not in nobody:
+                    f.unlink()
+    else:
+        shutil.rmtree(tmp_path / "durable")
     restored = _job(hosts, tmp_path, "restore", copies, per_host)
     for r in restored:
         assert r["point"] == [2, str(tmp_path / "fast" / "iter_0000002")] and r["exact"], r
@@ -114,6 +129,13 @@ def test_peer_copies_on_many_hosts_restore_lost_hosts_with_nothing_from_the_dura
         assert filecmp.cmp(tmp_path / f"host{h}" / "iter_0000002" / ".metadata",
                            tmp_path / f"host{survivor}" / "iter_0000002" / ".metadata", shallow=False)
     assert not any(n.endswith(".incoming") or ".tmp" in n for h in range(hosts_n) for n in _files(tmp_path, h))
+    if nobody:
+        case_log(f"{hosts_n} hosts x {per_host} rank(s) (network and mount namespaces), peer_copies={copies}; "
+                 f"host(s) {list(lost)} lost their fast tier (more than K); the durable copy kept only the files "
+                 f"no survivor held ({', '.join(nobody)}), then a restore",
+                 "the restore rebuilt the lost hosts byte for byte, the files no survivor held from the durable "
+                 "copy and every other from the survivors; every rank loaded step 2 bit-exactly from the fast tier")
+        return
     case_log(f"{hosts_n} hosts x {per_host} rank(s) (network and mount namespaces), peer_copies={copies}; "
              f"host(s) {list(lost)} lost their fast tier and the durable tier was removed, then a restore",
              f"each save's peer stage ok with one all_reduce; each host held its own and {copies} other host(s)' "

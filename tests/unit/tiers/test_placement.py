@@ -164,6 +164,43 @@ def test_more_hosts_lost_than_copies_falls_back_or_takes_an_older_step():
     assert plan is not None and plan.step == 4 and plan.transfers == ()
 
 
+@pytest.mark.parametrize("hosts,copies", [(4, 1), (4, 2), (5, 2), (6, 1)])
+def test_more_hosts_lost_than_copies_read_only_the_files_nobody_holds_from_the_durable_copy(hosts, copies):
+    L = 2
+    layout = PeerLayout.of(hosts * L, L, copies)
+    every = {o: 100 for o in range(hosts * L)}
+    durable = {5: StepView("iter_0000005", True, "s", every)}
+    for lost in itertools.combinations(range(hosts), copies + 1):
+        views = _views(layout, None, lost=set(lost))
+        held = {o for h in range(hosts) if h not in lost for k in layout.placement.keeps(h)
+                for o in range(k * L, k * L + L)}
+        plan = plan_repair(views, L, durable)
+        assert plan is not None and plan.step == 5 and plan.repaired == frozenset(lost), lost
+        for h in lost:  # every file it keeps: from a survivor where one holds it, else from the durable copy
+            keeps = {o for k in layout.placement.keeps(h) for o in range(k * L, k * L + L)}
+            peers = {t.owner for t in plan.transfers if t.dst // L == h and t.owner is not None}
+            durable_here = {o for r, o in plan.from_durable if r // L == h}
+            assert peers == keeps & held and durable_here == keeps - held, (lost, h)
+            assert all(r % L == o % L for r, o in plan.from_durable)
+        assert {o for _, o in plan.from_durable} == set(range(hosts * L)) - held
+        if held == set(range(hosts * L)):
+            assert plan.from_durable == ()
+
+
+def test_the_durable_copy_is_used_only_when_it_is_the_same_checkpoint_and_whole():
+    layout = PeerLayout.of(4, 1, 1)
+    lost = set(layout.placement.groups[0])
+    nobody = {o for h in lost for o in [h]}
+    views = _views(layout, None, lost=lost)
+    assert plan_repair(views, 1, {5: StepView("iter_0000005", True, "another job", {o: 1 for o in range(4)})}) is None
+    assert plan_repair(views, 1, {5: StepView("iter_0000005", False, "s", {})}) is None
+    partial = {o: 1 for o in range(4) if o != min(nobody)}  # a file nobody else holds is not whole there
+    assert plan_repair(views, 1, {5: StepView("iter_0000005", True, "s", partial)}) is None
+    assert plan_repair(views, 1, {4: StepView("iter_0000004", True, "s", {o: 1 for o in range(4)})}) is None
+    plan = plan_repair(views, 1, {5: StepView("iter_0000005", True, "s", {o: 1 for o in range(4)})})
+    assert plan is not None and {o for _, o in plan.from_durable} == nobody
+
+
 def test_two_checkpoints_under_one_name_are_never_mixed():
     layout = PeerLayout.of(4, 1, 1)
     views = _views(layout, None, lost={1})

@@ -146,6 +146,12 @@ class Channel:
         :mod:`solosave._src.coordination.sketch`)."""
         raise NotImplementedError
 
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of ``values`` (int64, the same length on every rank) over
+        every rank: one ``all_reduce(MAX)`` (the preemption guard's rounds,
+        :mod:`solosave._src.tools.preemption`)."""
+        raise NotImplementedError
+
     def all_and(self, value: int) -> int:
         """The bitwise AND of ``value`` over every rank (one 8-byte ``all_reduce``)."""
         return self.all_reduce_and(int(value))
@@ -419,11 +425,17 @@ class DistChannel(Channel):
         return int(t.item())
 
     def all_reduce_sum(self, values: list[int]) -> list[int]:
+        return self._all_reduce_ints(values, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        return self._all_reduce_ints(values, dist.ReduceOp.MAX)
+
+    def _all_reduce_ints(self, values: list[int], op: Any) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64)
         staged = _device_of(self.group)
         box = t if staged is None else t.to(staged)
         t0 = time.perf_counter()
-        self._run("all_reduce", lambda: dist.all_reduce(box, op=dist.ReduceOp.SUM, group=self.group))
+        self._run("all_reduce", lambda: dist.all_reduce(box, op=op, group=self.group))
         self._record("all_reduce", t.numel() * t.element_size(), t0)
         return box.cpu().tolist()
 

@@ -375,8 +375,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
 
     ``ranks_per_host`` (saved with ``peer_copies``, fast tiers local to each host): hosts that miss
     part of ``path`` get it back from the hosts that hold it, then the files this rank reads that
-    its host does not keep come from those that do (:mod:`solosave._src.tiers.peer_repair`: an
-    ``all_gather_object`` each; transfers only where a host misses something).
+    its host does not keep come from those that do, or from the durable copy where no survivor
+    holds them (:mod:`solosave._src.tiers.peer_repair`).
 
     ``cooperative``: each byte range of at least 64 KiB that several ranks need (replicas, or
     resharding) is read from storage by one of them and delivered to the others over
@@ -395,7 +395,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
         backend = backend_for(path)
         name = backend.basename(backend.normalize(path))
         restore_from_peers(backend.dirname(backend.normalize(path)), {0: name}, peers, process_group,
-                           storage_options)
+                           storage_options, durable_root)
     args = (process_group, planner, read_metadata_once, safe_globals, storage_options, use_index, distributed,
             cooperative)
     chosen = path if durable_root is None else choose_copy(path, durable_root, process_group, storage_options)

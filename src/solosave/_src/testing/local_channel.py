@@ -131,6 +131,18 @@ class LocalChannel(Channel):
             out &= int.from_bytes(b, "little", signed=True)
         return out
 
+    def all_reduce_sum(self, values: list[int]) -> list[int]:
+        return [sum(col) for col in zip(*self._ints(values))]
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        return [max(col) for col in zip(*self._ints(values))]
+
+    def _ints(self, values: list[int]) -> list[list[int]]:
+        got = self._exchange("all_reduce", b"".join(v.to_bytes(8, "little", signed=True) for v in values))
+        if len({len(b) for b in got}) != 1:
+            raise ChannelError(f"all_reduce met lists of different lengths: {sorted({len(b) // 8 for b in got})}")
+        return [[int.from_bytes(b[i:i + 8], "little", signed=True) for i in range(0, len(b), 8)] for b in got]
+
     def post_receipt(self, seq: int, error: str | None, previous: int | None = None) -> None:
         self._hub.post(seq, error)
 

@@ -25,8 +25,14 @@ Who calls what (every rank of the process group, alone otherwise: nothing to do)
   what each rank misses and what its host holds -> :func:`move_files` from the holders -> one
   8-byte ``all_reduce``. The load then reads its host's fast tier only.
 
-A step that no set of survivors holds whole is not repaired: the tier choice that follows finds
-it incomplete and reads the durable copy.
+With ``durable_root`` given, a step of which some rank's files are on no surviving host (more
+than K hosts lost) is still repaired when the durable tier holds that step published, the same
+checkpoint (its ``save_id``), with those files whole: only the files that no survivor holds are
+read from the durable tier, by each host that keeps them; every other file comes from a peer.
+The durable tier is surveyed (by the first rank, for the steps newer than what the peers alone
+restore; one ``broadcast_object``) only when the peers alone cannot restore the newest step.
+A step that neither the survivors nor the durable copy make whole is not repaired: the tier
+choice that follows finds it incomplete and reads the durable copy, or an older step.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from solosave._src.formats.dcp import INDEX_FILE, METADATA_FILE
 from solosave._src.formats.metadata_check import loads_metadata
 from solosave._src.index.reader import LoadIndex
 from solosave._src.storage.base import Storage
+from solosave._src.storage.copy import stream_into
 from solosave._src.storage.registry import storage_for
 from solosave._src.tiers.peer_copy import PEERS_FILE, ranks_kept_here
 from solosave._src.tiers.placement import PeerLayout, owner_of
@@ -172,11 +179,16 @@ class RepairPlan:
     #: ``.metadata`` comes from a peer and is published last). The others keep theirs.
     repaired: frozenset[int]
     rebuilt: frozenset[int] = frozenset()
+    #: ``(rank, owner)``: rank ``rank`` copies rank ``owner``'s data files from the durable copy
+    #: (no surviving host holds them).
+    from_durable: tuple[tuple[int, int], ...] = ()
 
 
-def plan_repair(views: Sequence[Mapping[int, StepView]], ranks_per_host: int) -> RepairPlan | None:
+def plan_repair(views: Sequence[Mapping[int, StepView]], ranks_per_host: int,
+                durable: Mapping[int, StepView] | None = None) -> RepairPlan | None:
     """The newest step that the hosts can restore from each other (see the module docstring):
-    ``views[r]``, rank ``r``'s view of each step. ``None`` when no step is held whole."""
+    ``views[r]``, rank ``r``'s view of each step; ``durable``, the durable copy's view of some
+    steps (files no survivor holds come from there). ``None`` when no step can be made whole."""
     W, L = len(views), ranks_per_host
     hosts = W // L
     for step in sorted({s for v in views for s in v}, reverse=True):
@@ -188,7 +200,7 @@ def plan_repair(views: Sequence[Mapping[int, StepView]], ranks_per_host: int) ->
         layout = _layout_of([v for v, ok in zip(host_view, good) if ok and v is not None], W, L)
         if layout is None:
             continue
-        plan = _transfers(step, host_view, good, layout)
+        plan = _transfers(step, host_view, good, layout, _same(durable, step, next(iter(ids))))
         if plan is not None:
             return plan
     return None
@@ -214,21 +226,31 @@ def _layout_of(published: Sequence[StepView], world: int, ranks_per_host: int) -
         return None
 
 
+def _same(durable: Mapping[int, StepView] | None, step: int, save_id: str | None) -> StepView | None:
+    """The durable copy's view of ``step`` if it is published and the same checkpoint."""
+    v = None if durable is None else durable.get(step)
+    return v if v is not None and v.published and v.save_id == save_id else None
+
+
 def _transfers(step: int, host_view: Sequence[StepView | None], good: Sequence[bool],
-               layout: PeerLayout) -> RepairPlan | None:
+               layout: PeerLayout, durable: StepView | None = None) -> RepairPlan | None:
     """The transfers that give every host what it should keep of ``step``, or ``None`` when
-    some rank's files are held by no host. A host holds a rank's files only if it has the step
-    published and the layout says it keeps them (a stray file of another save is not a copy)."""
+    some rank's files are held by no host and not whole in ``durable`` (the durable copy of the
+    same checkpoint). A host holds a rank's files only if it has the step published and the
+    layout says it keeps them (a stray file of another save is not a copy)."""
     L, p = layout.ranks_per_host, layout.placement
     W = p.hosts * L
     kept = [layout.kept_ranks(h) for h in range(p.hosts)]
     holders: dict[int, list[int]] = {o: [h for h, v in enumerate(host_view) if good[h] and v is not None
                                          and o in v.owners and o in kept[h]] for o in range(W)}
-    if any(not hs for hs in holders.values()):
+    nobody = {o for o, hs in holders.items() if not hs}
+    if nobody and (durable is None or not nobody <= set(durable.owners)):
         return None
-    sizes = {o: max(v.owners[o] for v in (host_view[h] for h in hs) if v is not None) for o, hs in holders.items()}
+    sizes = {o: max(v.owners[o] for v in (host_view[h] for h in hs) if v is not None)
+             for o, hs in holders.items() if hs}
     load = [0] * p.hosts
     out: list[Transfer] = []
+    from_durable: list[tuple[int, int]] = []
     repaired, rebuilt = set(), set()
     for h in range(p.hosts):
         missing = sorted(o for o in kept[h] if h not in holders[o])
@@ -236,6 +258,9 @@ def _transfers(step: int, host_view: Sequence[StepView | None], good: Sequence[b
             continue
         repaired.add(h)
         for o in missing:
+            if o in nobody:
+                from_durable.append((layout.rank_on(h, o), o))
+                continue
             src = min(holders[o], key=lambda s: (load[s], s))
             load[src] += sizes[o]
             out.append(Transfer(layout.rank_on(src, o), layout.rank_on(h, o), o, size=sizes[o]))
@@ -244,7 +269,7 @@ def _transfers(step: int, host_view: Sequence[StepView | None], good: Sequence[b
             src = min((s for s in range(len(good)) if good[s]), key=lambda s: (load[s], s))
             out.append(Transfer(src * L, h * L, None, _META))
     name = next(v.name for v in host_view if v is not None)
-    return RepairPlan(step, name, layout, tuple(out), frozenset(repaired), frozenset(rebuilt))
+    return RepairPlan(step, name, layout, tuple(out), frozenset(repaired), frozenset(rebuilt), tuple(from_durable))
 
 
 def schedule(transfers: Iterable[Transfer]) -> list[list[Transfer]]:
@@ -338,8 +363,10 @@ class _Kept:
 
 
 # -- the protocols ---------------------------------------------------------------------------------
-def repair_from_peers(plan: RepairPlan, directory: str, channel: DistChannel, st: Storage) -> str | None:
-    """Every rank: carry out ``plan`` for ``directory`` (see the module docstring). Returns this
+def repair_from_peers(plan: RepairPlan, directory: str, channel: DistChannel, st: Storage,
+                      durable_dir: str | None = None, durable_st: Storage | None = None) -> str | None:
+    """Every rank: carry out ``plan`` for ``directory`` (see the module docstring); the files of
+    ``plan.from_durable`` are copied from ``durable_dir`` (on ``durable_st``). Returns this
     rank's error (``None``: nothing went wrong here); whether the step is complete everywhere is
     for the tier choice that follows to find out. A repaired host's ``.metadata`` is removed
     first, and every file it receives is renamed into place once whole: a repair that fails
@@ -355,11 +382,41 @@ def repair_from_peers(plan: RepairPlan, directory: str, channel: DistChannel, st
             error = f"preparing {directory} failed: {describe(e)}"
     kept: dict[str, bytes] = {}
     error = move_files(ch, st, directory, plan.transfers, kept) or error
+    owners = [o for r, o in plan.from_durable if r == ch.rank]
+    if owners and error is None:
+        error = _copy_from_durable(durable_st, durable_dir, st, directory, owners)
     ok = not ch.agree_ok(error)
     if ok and here and ch.rank % L == 0:
         error = _publish(st, directory, kept, plan.layout)
     ch.agree_ok(error)
     return error
+
+
+def _copy_from_durable(src: Storage | None, source: str | None, st: Storage, directory: str,
+                       owners: Sequence[int]) -> str | None:
+    """Copy ranks ``owners``' data files from the durable copy ``source`` into ``directory``,
+    each renamed into place once whole. Returns the error, if any."""
+    if src is None or source is None:
+        return f"the plan reads the durable tier, which this rank was not given ({directory})"
+    try:
+        # the data files and their checksum sidecars, as a peer would send them
+        names = sorted(n for n in src.listdir(source)
+                       if PEER_FILE.match(n) and owner_of(n.removesuffix(".crc32")) in owners)
+        found = {owner_of(n) for n in names}
+        if found != set(owners):
+            return f"{source} holds no data file of rank(s) {sorted(set(owners) - found)}"
+        for n in names:
+            out = open_whole(st, st.join(directory, n), st.open_data)
+            try:
+                stream_into(src, src.join(source, n), out)
+            except BaseException:
+                out.close()
+                raise
+            out.commit()
+            out.close()
+    except OSError as e:
+        return f"copying rank(s) {list(owners)}' files from the durable copy {source} failed: {describe(e)}"
+    return None
 
 
 def _publish(st: Storage, directory: str, kept: Mapping[str, bytes], layout: PeerLayout) -> str | None:
@@ -375,10 +432,12 @@ def _publish(st: Storage, directory: str, kept: Mapping[str, bytes], layout: Pee
 
 
 def restore_from_peers(save_dir: str | os.PathLike, steps: Mapping[int, str], ranks_per_host: int,
-                       process_group: Any = None, storage_options: Mapping[str, Any] | None = None) -> None:
+                       process_group: Any = None, storage_options: Mapping[str, Any] | None = None,
+                       durable_root: str | os.PathLike | None = None) -> None:
     """Every rank: bring the newest step under ``save_dir`` that the hosts hold between them
     (``steps``: this rank's ``{step: name}`` of the steps it lists on its fast tier) to the
-    hosts that miss part of it (see the module docstring). A repair that failed is logged, not
+    hosts that miss part of it (see the module docstring); with ``durable_root``, the files that
+    no survivor holds come from the durable copy under it. A repair that failed is logged, not
     raised: the tier choice that follows finds the step incomplete there and reads the durable
     copy. A broken channel (a peer gone or late) raises ``ChannelError``: the process group
     cannot be trusted for the choice's own collectives after it."""
@@ -387,11 +446,23 @@ def restore_from_peers(save_dir: str | os.PathLike, steps: Mapping[int, str], ra
     channel = peer_channel(process_group, ranks_per_host)
     st = storage_for(save_dir, storage_options)
     mine = {s: survey(st.join(os.fspath(save_dir), n), st) for s, n in steps.items()}
-    plan = plan_repair(channel.all_gather_object(mine), ranks_per_host)
-    if plan is None or not plan.transfers:
+    views = channel.all_gather_object(mine)
+    plan = plan_repair(views, ranks_per_host)
+    newer = {s: v.name for view in views for s, v in view.items() if plan is None or s > plan.step}
+    dst = None
+    if durable_root is not None and newer:  # the peers alone cannot restore the newest step
+        dst = storage_for(durable_root, storage_options)
+        root = os.fspath(durable_root)
+        found = None
+        if channel.is_coordinator:
+            found = {s: survey(dst.join(root, n), dst) for s, n in newer.items()}
+        plan = plan_repair(views, ranks_per_host, channel.broadcast_object(found)) or plan
+    if plan is None or not (plan.transfers or plan.from_durable):
         return
+    durable_dir = None if dst is None else dst.join(os.fspath(durable_root), plan.name)  # type: ignore[arg-type]
     try:
-        error = repair_from_peers(plan, st.normalize(st.join(os.fspath(save_dir), plan.name)), channel, st)
+        error = repair_from_peers(plan, st.normalize(st.join(os.fspath(save_dir), plan.name)), channel, st,
+                                  durable_dir, dst)
     except ChannelError as e:
         raise ChannelError(f"restoring step {plan.step} from the peers failed between ranks: {e}") from e
     if error is not None:
