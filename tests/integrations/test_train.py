@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -298,6 +299,31 @@ def test_exit_signal_handler_saves_and_exits_cleanly(tmp_path):
     saves = records(log, "save")
     assert len(saves) == 1 and saves[0]["ok"], out
     assert "exit signal received: saved step" in out and "verified" in out
+    assert (tmp_path / "ck" / f"iter_{saves[0]['step']:07d}" / ".metadata").exists()
+
+
+def test_a_preemption_notice_file_saves_one_step_on_every_rank_and_exits(tmp_path):
+    log, notice = tmp_path / "log.jsonl", tmp_path / "preempt-notice"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "solosave", "train", *COMMON, "--steps", "100000",
+                          "--save", str(tmp_path / "ck"), "--save-interval", "100000", "--async-save",
+                          "--preemption-notice-file", str(notice), "--json-log", str(log)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len(records(log, "step")) >= 3) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        noticed_after = len(records(log, "step"))
+        notice.write_text("the scheduler will stop this job in 60 s\n")
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, out
+    saves = records(log, "save")
+    assert len(saves) == 1 and saves[0]["ok"] and saves[0]["step"] >= noticed_after, out
+    assert f"exit signal received: saved step {saves[0]['step']}, exiting" in out and "verified" in out
     assert (tmp_path / "ck" / f"iter_{saves[0]['step']:07d}" / ".metadata").exists()
 
 

@@ -30,8 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON line per step and per save (rank 0)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM or SIGINT (any rank): finish the step, save, and exit cleanly "
-                        "(Megatron's flag of the same name)")
+                   help="on SIGTERM or SIGINT (any rank): every rank finishes the step that no rank "
+                        "has passed yet, saves it, and exits cleanly (Megatron's flag of the same name; "
+                        "agreed on a background thread, no collective per step)")
+    g.add_argument("--preemption-notice-file", metavar="FILE", default=None,
+                   help="a file whose appearance is a preemption notice (a scheduler's): as a signal "
+                        "under --exit-signal-handler")
     m = p.add_argument_group("model and data")
     m.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     m.add_argument("--d-model", type=int, default=128, help="model width (default 128)")

@@ -40,7 +40,13 @@ from solosave._src.core.errors import SolosaveError
 from solosave._src.plan.local_plan import flatten_state_dict
 from solosave._src.save.options import options_from_args, peer_ranks_per_host
 
-from ..integrations import CheckpointManager, checkpointer_from_args, find_latest_checkpoint, find_restore_point
+from ..integrations import (
+    CheckpointManager,
+    PreemptionGuard,
+    checkpointer_from_args,
+    find_latest_checkpoint,
+    find_restore_point,
+)
 from .data import batch_at, lr_at, make_corpus
 from .model import make_model
 from .report import Reporter
@@ -58,7 +64,6 @@ class RankState:
     rank: int
     world: int
     resumed_from: str | None = None  # the checkpoint directory resume() loaded, if any
-    signalled: bool = False  # --exit-signal-handler: SIGTERM/SIGINT arrived
     device: str = "cpu"
     #: The last save's handle until its staging is waited for (``--ckpt-overlap-staging``).
     staging: Any = None
@@ -216,34 +221,38 @@ def train_step(args: argparse.Namespace, state: RankState, step: int, position: 
     return float(mean) / state.world
 
 
-def exit_requested(args: argparse.Namespace, state: RankState) -> bool:
-    """``--exit-signal-handler``: whether any rank received SIGTERM or SIGINT (every rank
-    agrees: one all_reduce of a flag per step, as Megatron's handler does)."""
-    if not args.exit_signal_handler:
-        return False
-    flag = torch.tensor([1 if state.signalled else 0], device=state.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+def preemption_guard(args: argparse.Namespace) -> PreemptionGuard | None:
+    """``--exit-signal-handler`` / ``--preemption-notice-file``: a SIGTERM or SIGINT on any rank,
+    or the notice file appearing, makes every rank save the same next step and stop (every
+    rank constructs it, right after the process group: collective). The ranks agree on a
+    background thread (:class:`~solosave.integrations.PreemptionGuard`), not by a collective
+    per step in the loop as Megatron's handler does."""
+    if not (args.exit_signal_handler or args.preemption_notice_file):
+        return None
+    signals = (signal.SIGTERM, signal.SIGINT) if args.exit_signal_handler else ()
+    return PreemptionGuard(signals=signals, notice_file=args.preemption_notice_file, interval=0.2,
+                           timeout=min(args.timeout, 600.0))
 
 
 def loop(args: argparse.Namespace, state: RankState, manager: CheckpointManager | None,
-         reporter: Reporter, step: int, position: int) -> None:
+         reporter: Reporter, step: int, position: int, guard: PreemptionGuard | None = None) -> None:
     """Train from ``step`` to ``--steps``; save every ``--save-interval`` steps and at the last one,
-    and (``--exit-signal-handler``) once more, then stop, after a SIGTERM or SIGINT."""
+    and (``guard``) once more at the step every rank agreed on after a preemption notice, then stop."""
     interval = args.save_interval or args.steps
     while step < args.steps:
         step += 1
         loss = train_step(args, state, step, position)
         position += args.batch_size * state.world
         reporter.step(step, loss)
-        stop = exit_requested(args, state)
         if manager is not None:
             manager.poll()
-            if step % interval == 0 or step == args.steps or stop:
+            if step % interval == 0 or step == args.steps:
                 state.staging = manager.save(step, state_dict(state, step, position))
-        if stop:
+        if guard is not None and guard.stop_here(step, lambda s=step, p=position: state_dict(state, s, p)):
+            state.staging = None  # the guard waited for the save's publication
             if state.rank == 0:
-                print(f"exit signal received: saved step {step}, exiting", flush=True)
+                saved = "saved" if manager is not None else "nothing to save (no --save)"
+                print(f"exit signal received: {saved} step {step}, exiting", flush=True)
             return
 
 
@@ -324,18 +333,17 @@ def _wait_to_be_stopped(seconds: float) -> None:
 
 def _run(args: argparse.Namespace, progress: Progress) -> int:
     state = build(args)
-    if args.exit_signal_handler:
-        def on_signal(signum: int, frame: Any) -> None:
-            state.signalled = True
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
+    guard = preemption_guard(args)  # before the resume: a notice meanwhile is kept
     step, position = resume(args, state)
     reporter = Reporter(args, state.rank, step)
     manager = checkpointing(args, state, reporter)
+    if guard is not None:
+        guard.manager = manager
     progress.training = True
     try:
-        loop(args, state, manager, reporter, step, position)
+        loop(args, state, manager, reporter, step, position, guard)
     finally:
+        if guard is not None:
+            guard.close()
         failures = drain(manager, reporter)
     return finish(state, manager, failures)
