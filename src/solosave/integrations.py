@@ -508,7 +508,9 @@ class CheckpointManager:
             ended = DurableSave(step, result)
             out.append(ended)
             self.durable_done.append(ended)
-            if not result.ok:
+            if result.superseded:  # coalesced: a newer checkpoint's copy replaced it (not a failure)
+                log.info("solosave: checkpoint of step %d not copied to the durable tier: %s", step, result.error)
+            elif not result.ok:
                 self.durable_failures.append(ended)
                 log.error("solosave: checkpoint of step %d stays on the fast tier only: %s", step, result.error)
             elif self.is_coordinator:

@@ -52,8 +52,11 @@ def test_fast_retention_spares_checkpoints_whose_durable_copy_is_running(tmp_pat
     case_log(f"two tiers, keep_last=1, fast tier spelled {fast_name!r}: every durable copy slower than a save "
              "interval (W=2, 3 saves)", f"copies {[(s, ok) for s, ok, _ in r['copies']]}; left: fast {r['fast']}, "
              f"durable {r['durable']}", time.monotonic() - t0)
-    assert [(s, ok) for s, ok, _ in r["copies"]] == [(1, True), (2, True), (3, True)], r["copies"]
-    assert r["fast"] == [3] and r["durable"] == [1, 2, 3]  # each durable copy loaded bit for bit
+    # copy 2 ran, or (copy 1 still running when save 3 came: the copies fall behind) was coalesced into 3
+    copies = {s: (ok, why) for s, ok, why in r["copies"]}
+    assert sorted(copies) == [1, 2, 3] and copies[1][0] and copies[3][0], r["copies"]
+    assert copies[2][0] or "coalesced" in copies[2][1], r["copies"]
+    assert r["fast"] == [3] and r["durable"] == [s for s in (1, 2, 3) if copies[s][0]]  # each loaded bit for bit
 
 
 # -- 2. a crafted load index on S3 -------------------------------------------------------------------

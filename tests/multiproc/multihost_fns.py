@@ -39,7 +39,7 @@ def peer_copies(root: str, phase: str) -> dict:
     # the peer copy of step 2 fails on rank 2, which cannot write rank 0's file
     writer = PeerWriter(fast, "iter_0000002", 0, fail=rank == 2)
     ck = solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, peer_copy=True,
-                                    timeout=60, writer=writer)
+                                    timeout=60, writer=writer, durable_every_save=True)  # each save's copies
     manager = CheckpointManager(fast, ck, keep_last=2)
     out: dict = {"rank": rank, "ranks_per_host": ck.peer_ranks_per_host}
     if phase == "peer-save":

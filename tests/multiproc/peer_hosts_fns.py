@@ -38,6 +38,7 @@ def main() -> None:
     rank = dist.get_rank()
     fast, durable = f"{root}/fast", f"{root}/durable"
     ck = solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, peer_copies=copies,
+                                    durable_every_save=True,  # each save's copies (none coalesced)
                                     ranks_per_host=per_host, timeout=60)
     manager = CheckpointManager(fast, ck, keep_last=2)
     out: dict = {"rank": rank, "layout": ck.peer_layout.describe()}

@@ -19,8 +19,9 @@ def test_copies_follow_publication_and_add_one_all_reduce(tmp_path):
         assert o["modes"] == ["create", "reuse", "reuse"]
         # the fast part of a steady save is unchanged: one 8-byte all_reduce
         assert o["fast"][1] == o["fast"][2] == {"all_reduce": {"count": 1, "bytes": 8}}
-        # the durable stage adds exactly one 8-byte all_reduce (on its own channel) per save
-        assert [d["calls"] for d in o["durable"]] == [[("all_reduce", 8)]] * 3
+        # the durable stage adds two 8-byte all_reduces (on its own channel) per copy: the choice
+        # of the copy (copies that fall behind are coalesced) and its status word
+        assert [d["calls"] for d in o["durable"]] == [[("all_reduce", 8), ("all_reduce", 8)]] * 3
         assert all(d["ok"] and d["error"] is None for d in o["durable"])
         assert [d["path"] for d in o["durable"]] == [str(tmp_path / "durable" / f"iter_{s}") for s in range(3)]
         assert o["pending_while_next_published"]  # the next save's publication did not wait for the copy
@@ -35,7 +36,8 @@ def test_a_failed_copy_is_reported_on_every_rank_and_the_next_copy_succeeds(tmp_
         assert all(o[s]["published"] for s in range(3))  # the fast tier: every save published
         assert o[0]["ok"] and o[2]["ok"] and not o[1]["ok"], (o[0]["error"], o[1]["error"], o[2]["error"])
         assert o[1]["failures"] == [1] and "injected: the durable storage failed" in o[1]["error"]
-        assert o[1]["calls"] == ["all_reduce", "all_gather_object"]  # the errors travel on failure only
+        # the choice of the copy, its status word; the errors travel on failure only
+        assert o[1]["calls"] == ["all_reduce", "all_reduce", "all_gather_object"]
         assert o["fast_1_loads"] and not o["durable_1_published"] and o["durable_2_loads"]
     assert out[0][1]["error"] == out[1][1]["error"]
 
@@ -121,3 +123,25 @@ def test_a_stale_or_damaged_fast_copy_is_never_mixed_in_the_durable_copy_is_read
              "every rank restores this job's step 10 from the durable copy, bit for bit (identity agreed by "
              "save_id; sizes checked against the index; a load error falls back on every rank)",
              time.monotonic() - t0)
+
+
+def test_a_stalled_durable_store_never_holds_up_a_save_and_the_newest_copy_follows(tmp_path, case_log):
+    """Was: with two copies pending, the next save waited for the oldest (a stalled store
+    throttled the fast tier). Now copies that fall behind are coalesced, the latest wins."""
+    saves = 6
+    out = run_ranks(tier_fns.stalled_durable_tier, 2, str(tmp_path), TIMEOUT, saves, timeout=200)
+    for o in out:
+        assert o["gate_shut_after_saves"]  # every save published while the store was stalled
+        assert o["behind"][0] == 0 and all(b >= 1 for b in o["behind"][1:]), o["behind"]  # the lag, reported
+        assert all(a <= b for a, b in zip(o["lag_s"][1:], o["lag_s"][2:])) and o["lag_s"][-1] > 0
+        steps = [s for s, _, _ in o["copies"]]
+        assert steps == list(range(1, saves + 1)), o["copies"]  # each save's copy reported once, in order
+        copied = [s for s, ok, _ in o["copies"] if ok]
+        assert copied[0] == 1 and copied[-1] == saves and len(copied) <= 3, o["copies"]  # 1, perhaps 2, the newest
+        assert all(sup for s, ok, sup in o["copies"] if not ok) and not o["failures"]  # coalesced, not failed
+        assert o["latest"] == f"iter_{saves:07d}" and o["newest_loads"]
+    assert out[0]["copies"] == out[1]["copies"]
+    case_log(f"two tiers, W=2: the durable store stalls (the first copy waits at a gate) during {saves} saves",
+             f"all {saves} saves published on the fast tier while it was stalled (none waited), lag reported "
+             f"{out[0]['behind']} saves behind; once it answered, copies {[s for s, ok, _ in out[0]['copies'] if ok]} "
+             "ran (the others coalesced), the durable latest points at the newest, which loads bit for bit")

@@ -95,6 +95,8 @@ def copy_and_count(rank: int, ws: int, root: str, timeout: float) -> dict:
         for step in range(3):
             r = ck.save(state(rank, step), f"{fast}/iter_{step}").wait(timeout)
             results.append(r)
+            if step == 0:  # copied before the next save is published: none of the three is coalesced
+                r.durable.wait(timeout)
             out["modes"].append(r.mode)
             out["fast"].append(r.collectives())
             if step == 2:  # iter_2 published on the fast tier while iter_1's copy waits at its gate
@@ -337,4 +339,35 @@ def stale_and_damaged_fast_copies(rank: int, ws: int, root: str, timeout: float)
     dist.barrier()
     restore(f"{root}/cut", "truncated")
     restore(f"{root}/cut-noindex", "truncated_no_index")
+    return out
+
+
+def stalled_durable_tier(rank: int, ws: int, root: str, timeout: float, saves: int) -> dict:
+    """The durable store stalls (step 1's copy waits at a gate) while ``saves`` saves are made
+    through a ``CheckpointManager``: every save must publish on the fast tier while the gate is
+    still shut; then the gate opens and the copies catch up."""
+    from solosave.integrations import CheckpointManager, read_latest_marker
+
+    _fresh(root)
+    fast, durable, gate = f"{root}/fast", f"{root}/durable", f"{root}/gate"
+    writer = TierWriter(durable, "iter_0000001", None, "gate", gate=gate)
+    ck = solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, timeout=timeout,
+                                    writer=writer)
+    manager = CheckpointManager(fast, ck, keep_last=2)
+    results = []
+    for step in range(1, saves + 1):
+        manager.save(step, state(rank, step))
+        results.append(manager.wait(timeout)[-1].result)
+    out: dict = {"gate_shut_after_saves": not os.path.exists(gate),
+                 "behind": [r.durable_behind for r in results], "lag_s": [r.durable_lag_s for r in results]}
+    dist.barrier()
+    if rank == 0:
+        open(gate, "w").close()
+    manager.wait_for_copies(timeout)
+    out["copies"] = [(d.step, d.result.ok, d.result.superseded) for d in manager.durable_done]
+    out["failures"] = [d.step for d in manager.durable_failures]
+    dist.barrier()  # rank 0 moved the durable latest when it collected the copies
+    out["latest"] = read_latest_marker(durable)
+    manager.finish(timeout)
+    out["newest_loads"] = _loads(state(rank, saves), f"{durable}/iter_{saves:07d}")
     return out

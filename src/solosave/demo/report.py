@@ -57,11 +57,16 @@ class Reporter:
                        collectives_total=sum(v["count"] for v in allc.values()),
                        collective_bytes=sum(v["bytes"] for v in allc.values()), collectives=allc)
             kinds = ", ".join(f"{k} x{v['count']} ({v['bytes']} B)" for k, v in allc.items())
+            lag = ""
+            if r.durable is not None:  # two tiers: how far the durable tier is behind
+                rec.update(durable_behind=r.durable_behind, durable_lag_s=r.durable_lag_s)
+                lag = (f"  durable: {r.durable_behind} save(s) behind, {r.durable_lag_s:.1f} s"
+                       if r.durable_behind else "  durable: up to date")
             self.bar.write(
                 f"save  {storage.basename(done.path)}  step {done.step:>5}  mode={r.mode:<15} "
                 f"block {rec['block_ms']:7.2f} ms  published after {rec['to_published_ms']:8.1f} ms  "
                 f"{total_bytes / 1e6:6.2f} MB  collectives in loop {loop} / total "
-                f"{rec['collectives_total']} [{kinds}]")
+                f"{rec['collectives_total']} [{kinds}]{lag}")
         self.saves.append(rec)
         self.log(rec)
 

@@ -206,6 +206,9 @@ class EngineSettings:
     peer_copies: int = 1
     #: Peer copies: hosts per failure domain (``CheckpointerOptions.hosts_per_domain``; 1: none).
     peer_hosts_per_domain: int = 1
+    #: Two tiers: every save copied, in order (``CheckpointerOptions.durable_every_save``);
+    #: ``False``: copies that fall behind are coalesced, the latest wins.
+    durable_every_save: bool = False
 
 
 @dataclass(frozen=True)
@@ -352,6 +355,9 @@ class DurableOutcome:
     #: (``None``: no peer copy), and per failing rank what went wrong.
     peer_ok: bool | None = None
     peer_failures: dict[int, str] = field(default_factory=dict)
+    #: Not copied: a newer save's copy replaced it before it started (latest wins); that save's
+    #: number.
+    superseded_by: int | None = None
 
 
 class WorkerMessage(NamedTuple):

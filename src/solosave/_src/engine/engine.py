@@ -25,8 +25,10 @@ With two tiers (``durable_root``) the engine also owns the rank's
 :class:`~solosave._src.tiers.durable.Copier`: once a save is published on the fast tier, its copy
 to the durable tier is queued there and the save's outcome is reported at once (it names the
 queued copy: ``JobOutcome.durable``); the copy's own outcome follows from the copier's thread.
-Before a save writes, it waits (bounded) while ``MAX_PENDING`` copies are pending, and while a
-pending copy still reads the directory it is about to rewrite (an overwrite).
+Before a save writes, it waits (bounded) while a pending copy still reads the directory it is
+about to rewrite (an overwrite). Copies that fall behind are coalesced by the copier (the latest
+wins), so a stalled durable tier never holds up a save; with ``durable_every_save`` every save
+is copied, and a save also waits while ``MAX_PENDING`` copies are pending.
 
 Errors are told apart: a per-save failure (a write error, a bad value, a drift) fails that save
 on every rank and the next save runs normally. A failed collective (:class:`ChannelError`: a
@@ -87,7 +89,8 @@ class Engine:
         peers = (PeerLayout.of(durable.world_size, settings.peer_ranks_per_host, settings.peer_copies,
                                settings.peer_hosts_per_domain)
                  if durable is not None and settings.peer_ranks_per_host else None)
-        self.copier = (Copier(durable, writer, settings.storage_options, settings.files_per_rank, peers)
+        self.copier = (Copier(durable, writer, settings.storage_options, settings.files_per_rank, peers,
+                              coalesce=not settings.durable_every_save)
                        if durable is not None and settings.durable_root else None)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -135,13 +138,14 @@ class Engine:
         return out
 
     def _wait_for_copies(self, job: SaveJob) -> SaveJob:
-        """Before ``job`` writes: wait (bounded) for the backlog of copies to drop below
-        ``MAX_PENDING`` and for any copy that reads ``job``'s directory; a save that would
+        """Before ``job`` writes: wait (bounded) for any copy that reads ``job``'s directory and,
+        with every save copied, for the backlog to drop below ``MAX_PENDING``; a save that would
         rewrite a directory still being copied fails instead (on every rank, through its job)."""
         copier = self.copier
         assert copier is not None  # noqa: S101 - checked by the caller
         timeout = self.channel.timeout
-        copier.wait_until(lambda: copier.pending() < MAX_PENDING and not copier.busy_with(job.directory), timeout)
+        limit = MAX_PENDING if not copier.coalesce else MAX_PENDING + 1  # coalescing: never more than 2
+        copier.wait_until(lambda: copier.pending() < limit and not copier.busy_with(job.directory), timeout)
         if job.abort is None and copier.busy_with(job.directory):
             return dataclasses.replace(job, abort=f"the durable copy of the earlier save to {job.directory} was "
                                                   f"still reading it after {timeout:g} s; it is not overwritten")

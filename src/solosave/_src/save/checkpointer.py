@@ -176,7 +176,7 @@ class AsyncCheckpointer:
         peers = self._peers
         settings = EngineSettings(o.files_per_rank, o.on_layout_drift, o.prepared_path, o.storage_options,
                                   o.durable_root, self.peer_ranks_per_host, peers.copies if peers else 1,
-                                  peers.placement.hosts_per_domain if peers else 1)
+                                  peers.placement.hosts_per_domain if peers else 1, o.durable_every_save)
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
         self._res.address, self._res.others = (host, port, prefix), self.world_size - 1
         self._session.run_id = prefix  # fresh per checkpointer (a uuid4), the same on every rank
@@ -417,9 +417,10 @@ class AsyncCheckpointer:
                                f"{f.handle.seq if f is not None else 'none'}")
         self._session.absorb(outcome)
         durable = None
+        lag = self._copies.lag()  # the copies of earlier saves still pending
         if outcome.ok and outcome.durable:
             durable = self._copies.track(outcome.seq, outcome.durable, self._pump, self.options.timeout)
-        complete(f.published, outcome, f.handle.path, self.rank, f.started, durable, f.save_id)
+        complete(f.published, outcome, f.handle.path, self.rank, f.started, durable, f.save_id, lag)
 
     def _wait_for_copies(self, timeout: float) -> None:
         """Pump (bounded) until every durable copy is reported; never raises."""

@@ -10,6 +10,7 @@ exactly once."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -25,6 +26,7 @@ class PendingCopies:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._pending: dict[int, tuple[str, Future[DurableResult]]] = {}
+        self._since: dict[int, float] = {}  # time.monotonic() when each was tracked
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -33,16 +35,25 @@ class PendingCopies:
         """The durable directories of the pending copies, oldest save first."""
         return [path for _, (path, _) in sorted(self._pending.items())]
 
+    def lag(self) -> tuple[int, float]:
+        """The copies pending and seconds since the oldest of them was tracked (its save
+        published on the fast tier)."""
+        if not self._since:
+            return 0, 0.0
+        return len(self._since), time.monotonic() - min(self._since.values())
+
     def track(self, seq: int, path: str, pump: Callable[[float], None], timeout: float) -> DurableCopy:
         """Register save ``seq``'s copy to ``path``; returns the handle the save's result holds."""
         future: Future[DurableResult] = Future()
         self._pending[seq] = (path, future)
+        self._since[seq] = time.monotonic()
         return DurableCopy(path, future, pump, timeout)
 
     def complete(self, outcome: DurableOutcome) -> None:
         """The worker reported the copy of save ``outcome.seq`` (unknown numbers are ignored:
         a copy already reported failed by :meth:`fail_all`)."""
         entry = self._pending.pop(outcome.seq, None)
+        self._since.pop(outcome.seq, None)
         if entry is not None:
             entry[1].set_result(durable_result_of(outcome))
 
@@ -51,5 +62,6 @@ class PendingCopies:
         gave up on them): as far as this rank knows, their ``.metadata`` was not published on
         the durable tier (look there to be sure)."""
         pending, self._pending = self._pending, {}
+        self._since.clear()
         for path, future in pending.values():
             future.set_result(DurableResult(path, False, {self.rank: why}, 0, 0.0, ()))

@@ -41,14 +41,14 @@ class StagedFuture(Protocol):
 
 
 def complete(published: Future[SaveResult], outcome: JobOutcome, path: str, rank: int, started: Started,
-             durable: DurableCopy | None = None, save_id: str = "") -> None:
+             durable: DurableCopy | None = None, save_id: str = "", lag: tuple[int, float] = (0, 0.0)) -> None:
     """The checkpointer, once per save: complete ``published`` from the save's outcome (its
     :class:`SaveResult`, whose warnings are issued now, or its error); ``durable``: the copy to
     the durable tier that the outcome queued."""
     if not outcome.ok:
         published.set_exception(error_of(outcome, path))
         return
-    published.set_result(result_of(outcome, path, rank, started, durable, save_id))
+    published.set_result(result_of(outcome, path, rank, started, durable, save_id, lag))
     for w in outcome.warnings:
         warnings.warn(w, RuntimeWarning, stacklevel=3)
 

@@ -113,6 +113,10 @@ class _OptionFields:
         "copies its files to DURABLE/NAME in the background and the coordinator publishes "
         "DURABLE/NAME/.metadata once every rank's copy succeeded (a path or a URL; "
         "storage_options apply to URLs); the training loop never waits for the copy"))
+    durable_every_save: bool = option(False, flag="--ckpt-durable-every-save", help=(
+        "two tiers: copy every save to the durable tier, in order, even when the copies fall "
+        "behind (a save then waits, before it writes, while two copies are pending). Default: "
+        "copies that fall behind are coalesced, the latest wins, and no save ever waits for them"))
     peer_copy: bool = option(False, flag="--ckpt-peer-copy", help=(
         "one peer copy: the same as peer_copies=1"))
     peer_copies: int = option(0, flag="--ckpt-peer-copies", metavar="K", help=(

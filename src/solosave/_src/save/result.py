@@ -55,6 +55,9 @@ class DurableResult:
     #: copy; independent of ``ok``.
     peer_ok: bool | None = None
     peer_failures: dict[int, str] = field(default_factory=dict)
+    #: Not copied, on purpose: a newer save's copy replaced it before it started (durable
+    #: copies that fall behind are coalesced, the latest wins). Not a failure; ``ok`` is False.
+    superseded: bool = False
 
     @property
     def peer_error(self) -> str | None:
@@ -69,6 +72,9 @@ class DurableResult:
         """One line naming the failing ranks and what went wrong (``None`` when ``ok``)."""
         if self.ok:
             return None
+        if self.superseded:
+            return (f"durable copy to {self.path} skipped: a newer save's copy replaced it before it started "
+                    "(copies that fall behind are coalesced; the latest wins)")
         return f"durable copy to {self.path} failed on rank(s) {sorted(self.failures)}: " + "; ".join(
             f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
 
@@ -76,7 +82,7 @@ class DurableResult:
 def durable_result_of(outcome: DurableOutcome) -> DurableResult:
     return DurableResult(outcome.path, outcome.ok, dict(outcome.failures), outcome.bytes_copied,
                          max(outcome.finished_at - outcome.started_at, 0.0), tuple(outcome.collectives),
-                         outcome.peer_ok, dict(outcome.peer_failures))
+                         outcome.peer_ok, dict(outcome.peer_failures), outcome.superseded_by is not None)
 
 
 class DurableCopy:
@@ -142,6 +148,11 @@ class SaveResult:
     #: The ``save_id`` of the ``.metadata`` it published (``storage_meta.save_id``), the same on
     #: every rank: what tells this checkpoint from another one published under the same name.
     save_id: str = ""
+    #: Two tiers, the durable tier's lag when this save was published: earlier saves whose
+    #: durable copy had not ended, and seconds since the oldest of them was published (0, 0.0:
+    #: none behind).
+    durable_behind: int = 0
+    durable_lag_s: float = 0.0
 
     def collectives(self, where: str = "all") -> dict[str, dict[str, int]]:
         """Count this save's collectives and their payload bytes, per kind.
@@ -172,7 +183,7 @@ class Started:
 
 
 def result_of(outcome: JobOutcome, path: str, rank: int, started: Started,
-              durable: DurableCopy | None = None, save_id: str = "") -> SaveResult:
+              durable: DurableCopy | None = None, save_id: str = "", lag: tuple[int, float] = (0, 0.0)) -> SaveResult:
     """The :class:`SaveResult` of a successful save on this rank."""
     tm = outcome.timings
     return SaveResult(
@@ -180,7 +191,8 @@ def result_of(outcome: JobOutcome, path: str, rank: int, started: Started,
         timings=PhaseTimings(started.plan_s, started.stage_s, tm.get("write", 0.0), tm.get("coordinate", 0.0),
                              tm.get("publish", 0.0), started.block_s, max(outcome.finished_at - started.at, 0.0)),
         collectives_calling_thread=started.calling, collectives_background=outcome.collectives,
-        published=outcome.published is True, warnings=outcome.warnings, durable=durable, save_id=save_id)
+        published=outcome.published is True, warnings=outcome.warnings, durable=durable, save_id=save_id,
+        durable_behind=lag[0], durable_lag_s=lag[1])
 
 
 def error_of(outcome: JobOutcome, path: str) -> CheckpointError:

@@ -8,6 +8,12 @@ gloo group: its collectives never interleave with a save's). Who calls what, per
 (every rank's copier runs the same tasks: a task exists exactly for each save published on the
 fast tier, which every rank knows alike):
 
+0. every rank: **latest wins** (unless ``durable_every_save``: then every task runs, in order,
+   and this step is skipped). A task that has not started when a newer one arrives is replaced
+   by it (reported *superseded*, not failed): copies that fall behind a stalled store are
+   coalesced, and the fast tier never waits for them. Which task runs next is agreed, as the
+   ranks' queues differ in time: one 8-byte ``all_reduce(MAX)`` of each rank's newest task ->
+   every rank runs that one (waiting, bounded, for it to arrive) and drops the older ones;
 1. every rank: refuse a published ``<durable>/.metadata`` unless the save was ``overwrite``,
    remove it otherwise (never an old ``.metadata`` beside new data), then copy its own data
    files (and their checksum sidecars) from the fast tier, streamed, one thread per file
@@ -61,9 +67,9 @@ from solosave._src.tiers.placement import PeerLayout
 from solosave._src.write.publish import commit_checkpoint, unpublish
 from solosave._src.write.writer import FileWriter
 
-#: Copies queued or running at once per rank; a save whose copy would exceed it first waits (in
-#: the background, before its own write) for the oldest to end, so the fast tier holds at most
-#: this many checkpoints that wait for their copy.
+#: With ``durable_every_save``: copies queued or running at once per rank; a save whose copy
+#: would exceed it first waits (in the background, before its own write) for the oldest to end.
+#: Coalescing (the default) keeps at most one running and the newest queued, and never waits.
 MAX_PENDING = 2
 
 log = logging.getLogger("solosave")
@@ -92,8 +98,10 @@ class Copier:
     the transport before the first save; its errors are ignored: the trainer may be gone)."""
 
     def __init__(self, channel: Channel, writer: FileWriter, storage_options: Mapping[str, Any] | None = None,
-                 files_at_once: int = 1, peers: PeerLayout | None = None) -> None:
+                 files_at_once: int = 1, peers: PeerLayout | None = None, coalesce: bool = True) -> None:
         self.channel = channel
+        #: Latest wins (step 0 of the module docstring); ``False``: every task runs, in order.
+        self.coalesce = coalesce
         #: Peer copies (``peer_copies``): where each host's files go; ``None``: no peer copy (see
         #: ``tiers/peer_copy.py``).
         self.peers = peers
@@ -103,6 +111,9 @@ class Copier:
         self.post: Callable[[DurableOutcome], None] | None = None
         self._cond = threading.Condition()
         self._queue: deque[CopyTask] = deque()
+        #: Tasks replaced by a newer one before they started, and that one's number (reported
+        #: by the copier's thread, which alone calls ``post``).
+        self._superseded: list[tuple[CopyTask, int]] = []
         self._running: CopyTask | None = None
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -115,6 +126,9 @@ class Copier:
         with self._cond:
             if self._closing:
                 return
+            if self.coalesce:  # latest wins (step 0)
+                self._superseded += [(old, task.seq) for old in self._queue]
+                self._queue.clear()
             self._queue.append(task)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="solosave-durable", daemon=True)
@@ -157,29 +171,76 @@ class Copier:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closing)
+                self._cond.wait_for(lambda: self._queue or self._superseded or self._closing)
                 if self._closing:
                     return
-                task = self._running = self._queue.popleft()
+                dropped, self._superseded = self._superseded, []
+            for old, by in dropped:
+                self._post(DurableOutcome(old.seq, False, old.target, started_at=old.queued_at,
+                                          finished_at=time.time(), superseded_by=by))
+            mark = self.channel.counter.mark()  # the task's collectives include the choice
+            task = self._pick()
+            if task is None:
+                continue
             try:
-                outcome = self.copy(task)
+                outcome = self.copy(task, mark)
             except BaseException as e:  # noqa: BLE001 - a bug: reported as this task's failure
                 outcome = DurableOutcome(task.seq, False, task.target, {self.channel.rank: describe(e)},
                                          started_at=task.queued_at, finished_at=time.time())
             try:
-                if self.post is not None and not self._closing:
-                    self.post(outcome)
-            except Exception:  # noqa: BLE001, S110 - the trainer is gone: nothing to tell
-                pass
+                self._post(outcome)
             finally:
                 with self._cond:
                     self._running = None
                     self._cond.notify_all()
 
-    def copy(self, task: CopyTask) -> DurableOutcome:
-        """Run one task on this rank (every rank runs it; see the module docstring)."""
+    def _post(self, outcome: DurableOutcome) -> None:
+        try:
+            if self.post is not None and not self._closing:
+                self.post(outcome)
+        except Exception:  # noqa: BLE001, S110 - the trainer is gone: nothing to tell
+            pass
+
+    def _pick(self) -> CopyTask | None:
+        """Step 0: the task every rank runs next, now running here (``None``: nothing queued
+        any more, or closing). Agreed over the channel unless it is broken (then the oldest task
+        runs, and fails at once)."""
+        with self._cond:
+            if not self._queue:
+                return None
+            if not self.coalesce:  # every task, in order: nothing to agree on
+                first = self._running = self._queue.popleft()
+                return first
+            newest = self._queue[-1].seq
+        if self.broken is None:
+            try:
+                newest = self.channel.all_reduce_max([newest])[0]
+            except ChannelError as e:
+                self.broken = (f"the durable channel failed while the ranks chose the next copy ({e}): another "
+                               "rank's worker died or did not answer in time; later durable copies fail at once: "
+                               "close() this checkpointer and create a new AsyncCheckpointer on every rank")
+        with self._cond:
+            def here() -> CopyTask | None:  # queued, or replaced here meanwhile (not reported yet)
+                return next((t for t in (*self._queue, *(t for t, _ in self._superseded)) if t.seq == newest), None)
+
+            if not self._cond.wait_for(lambda: self._closing or here() is not None, self.channel.timeout):
+                self.broken = self.broken or (
+                    f"save {newest}'s durable copy, chosen by the ranks, never reached this rank in "
+                    f"{self.channel.timeout:g} s; later durable copies fail at once")
+            task = here()
+            if self._closing or task is None:
+                return None
+            self._superseded = [(t, by) for t, by in self._superseded if t is not task]
+            self._superseded += [(t, newest) for t in self._queue if t.seq < newest]
+            self._queue = deque(t for t in self._queue if t.seq > newest)
+            self._running = task
+        return task
+
+    def copy(self, task: CopyTask, mark: int | None = None) -> DurableOutcome:
+        """Run one task on this rank (every rank runs it; see the module docstring, steps 1-4);
+        its outcome counts the collectives since ``mark`` (default: from here)."""
         ch = self.channel
-        mark = ch.counter.mark()
+        mark = ch.counter.mark() if mark is None else mark
         copied, failures = 0, {}
         peer_ok, peer_failures = self._peer_step(task)
         if self.broken is not None:
