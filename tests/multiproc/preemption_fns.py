@@ -53,7 +53,69 @@ def resume(rank: int, world_size: int, root: str, fast_lost: bool) -> dict:
     manager = CheckpointManager(f"{root}/fast", ck)
     got = zeros_like(state(rank, 0))
     point = manager.restore(got)
-    assert point is not None
-    assert_equal(got, state(rank, point[0]))
+    if point is not None:
+        assert_equal(got, state(rank, point[0]))
     manager.finish(60)
-    return {"step": point[0], "path": point[1]}
+    return {"step": None if point is None else point[0], "path": None if point is None else point[1]}
+
+
+def draw(seed: int) -> dict:
+    """One soak trial: who gets SIGTERM and when (a moment inside a step: mid-staging, mid-write,
+    mid-publish or mid-copy of a save in flight), the save interval, and whether the scheduler's
+    grace period ends (every rank SIGKILLed) a random time after the notice."""
+    import random
+
+    rng = random.Random(seed)
+    return {"victims": rng.choice([[0], [1], [0, 1]]), "notice_step": rng.randint(2, 14),
+            "delay": rng.uniform(0.0, 0.02), "interval": rng.choice([1, 2, 3, 5]),
+            "kill_after": rng.choice([None, None, rng.uniform(0.0, 0.6)])}
+
+
+def soak_job(rank: int, world_size: int, root: str, seed: int) -> dict:
+    """A guarded 2-rank job with two tiers under trial ``seed`` (see :func:`draw`). Each victim
+    SIGTERMs itself from a thread ``delay`` s into step ``notice_step`` (and again 0.05 s later);
+    with ``kill_after``, the first victim then writes a marker and every rank SIGKILLs itself
+    (the whole job) that long after the notice. Returns the step the guard stopped at."""
+    import threading
+
+    trial = draw(seed)
+    marker = f"{root}/killed"
+    ck = solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=f"{root}/durable", timeout=30)
+    manager = CheckpointManager(f"{root}/fast", ck, keep_last=2)
+    guard = PreemptionGuard(manager, interval=0.02, timeout=20, save_timeout=30)
+
+    def grace_end() -> None:
+        while not os.path.exists(marker):
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def notice() -> None:
+        time.sleep(trial["delay"])
+        os.kill(os.getpid(), signal.SIGTERM)
+        if trial["kill_after"] is not None and rank == trial["victims"][0]:
+            time.sleep(trial["kill_after"])
+            with open(marker + f".{rank}", "w"):
+                pass
+            os.replace(marker + f".{rank}", marker)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=grace_end, daemon=True).start()
+    flag = torch.zeros(1)
+    stop = None
+    for step in range(1, 200):
+        if rank in trial["victims"] and step == trial["notice_step"]:
+            threading.Thread(target=notice, daemon=True).start()
+        time.sleep(0.003)
+        dist.all_reduce(flag)
+        manager.poll()
+        if step % trial["interval"] == 0:
+            manager.save(step, state(rank, step))
+        if guard.stop_here(step, lambda s=step: state(rank, s)):
+            stop = step
+            break
+    outcome = guard.outcome
+    guard.close()
+    manager.finish(30)
+    assert outcome is not None and outcome.published and outcome.durable, outcome
+    return {"stop": stop}

@@ -46,3 +46,50 @@ def test_exit_code_ends_every_rank_after_the_save(tmp_path):
     assert all(kind == "err" and val.rstrip().endswith("SystemExit: 17") for kind, val in res.values()), res
     out = run_ranks(preemption_fns.resume, 2, root, False, timeout=200)
     assert {r["step"] for r in out} == {out[0]["step"]} and out[0]["step"] >= 9
+
+
+# -- the random soak: SIGTERM at random moments, perhaps SIGKILL a random time later ----------
+def _soak_trial(tmp_path, seed):
+    root = tmp_path / f"t{seed}"
+    root.mkdir()
+    trial = preemption_fns.draw(seed)
+    res = run_ranks_tolerant(preemption_fns.soak_job, 2, str(root), seed, timeout=150)
+    kinds = {kind for kind, _ in res.values()}
+    assert kinds <= {"ok", "died"} and (kinds == {"ok"} or trial["kill_after"] is not None), (trial, res)
+    stops = {val["stop"] for kind, val in res.values() if kind == "ok"}
+    assert len(stops) <= 1, (trial, res)  # ranks that ended normally stopped at one step
+    published = sorted(int(p.name[5:]) for p in (root / "fast").glob("iter_*") if (p / ".metadata").exists())
+    out = run_ranks(preemption_fns.resume, 2, str(root), False, timeout=150)  # bit-exact, or it raises
+    restored = out[0]["step"]
+    assert {o["step"] for o in out} == {restored}, (trial, out)
+    if kinds == {"ok"}:  # the guard's save ended on every rank: it is the one restored, never an older one
+        (stop,) = stops
+        assert restored == stop and stop >= trial["notice_step"], (trial, restored, stops)
+    else:  # the job was killed: the newest step published on the fast tier, whole (none: nothing)
+        assert restored == (published[-1] if published else None), (trial, restored, published)
+    return trial, restored
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_preemption_at_random_moments_resumes_at_the_guards_step_or_the_newest_published(tmp_path, seed):
+    _soak_trial(tmp_path, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+def test_preemption_soak(tmp_path, case_log):
+    """``SOLOSAVE_PREEMPT_TRIALS`` (default 200) seeded trials from ``SOLOSAVE_PREEMPT_SEED``."""
+    import os
+    import time
+
+    n = int(os.environ.get("SOLOSAVE_PREEMPT_TRIALS", "200"))
+    first = int(os.environ.get("SOLOSAVE_PREEMPT_SEED", "100"))
+    t0, killed = time.monotonic(), 0
+    for seed in range(first, first + n):
+        trial, _ = _soak_trial(tmp_path, seed)
+        killed += trial["kill_after"] is not None
+        shutil.rmtree(tmp_path / f"t{seed}")
+    case_log(f"preemption soak: {n} random trials (2 ranks, two tiers, SIGTERM to rank 0, 1 or both at a random "
+             f"moment of a random step, a second SIGTERM; in {killed} of them every rank SIGKILLed 0-0.6 s later)",
+             f"{n} of {n} passed: each resumed bit for bit at the guard's step (or, killed, the newest published "
+             "step); no torn checkpoint", time.monotonic() - t0)
