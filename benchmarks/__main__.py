@@ -21,6 +21,7 @@ from . import limits as limits_bench
 from . import load as load_bench
 from . import megatron_save as megatron_bench
 from . import object_store as s3_bench
+from . import overhead as overhead_bench
 from . import peers as peers_bench
 from . import placement as placement_bench
 from . import report as rep
@@ -35,13 +36,14 @@ def _parser() -> argparse.ArgumentParser:
         "solosave vs torch.distributed.checkpoint: saves on local ranks side by side, physical "
         "limits, and a scale simulation of the coordinator's work up to W=16384."))
     p.add_argument("--only", choices=("all", "save", "limits", "load", "coop", "scale", "s3", "lightning", "tiers",
-                                      "megatron", "placement", "peers"), default="all",
+                                      "megatron", "placement", "peers", "overhead"), default="all",
                    help="which part to run (s3: saves to s3:// on a local server; lightning: a Lightning fit with "
                         "its own strategy and with solosave's; tiers: a fast tier against s3:// on a local "
                         "server; megatron: megatron-core's torch_dist strategy against solosave's; placement: "
                         "the peer copies' placement model, exact probabilities of a restore without durable "
                         "reads up to 4,096 hosts; peers: peer copies and a restore against raw transfers of the "
-                        "same bytes; none of these six is part of all)")
+                        "same bytes; overhead: the step time of a compute-bound loop with a save every 1, 10, "
+                        "100 steps, solosave against stock DCP async_save; none of these seven is part of all)")
     p.add_argument("--tiers-fast-dir", default=None, metavar="DIR",
                    help="tiers: where the fast tier lives (default /dev/shm, else <out>/fast)")
     p.add_argument("--total-mib", type=int, default=256, help="state size over all ranks (default 256)")
@@ -94,7 +96,8 @@ _PRINTERS = {"save": (rep.print_save, rep.plot_save), "scale": (rep.print_scale,
              "tiers": (tiers_bench.print_tiers, tiers_bench.plot_tiers),
              "megatron": (megatron_bench.print_megatron, megatron_bench.plot_megatron),
              "placement": (placement_bench.print_placement, placement_bench.plot_placement),
-             "peers": (peers_bench.print_peers, peers_bench.plot_peers)}
+             "peers": (peers_bench.print_peers, peers_bench.plot_peers),
+             "overhead": (overhead_bench.print_overhead, overhead_bench.plot_overhead)}
 
 
 def _emit(report: dict[str, Any], args: argparse.Namespace, out: Path, plots: Path) -> None:
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     steps += args.only == "megatron"
     steps += len(placement_bench.HOSTS) if args.only == "placement" else 0
     steps += args.only == "peers"
+    steps += args.only == "overhead"
     progress = Progress(steps)
     report: dict[str, Any] = {"command": " ".join(["python -m benchmarks"] + (argv if argv is not None else sys.argv[1:])),
                               "machine": _machine()}
@@ -209,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         peers_cfg = {"per_rank_mib": min(args.total_mib // 2, 128), "tensors": 16, "reps": 3 if args.quick else 5,
                      "timeout": args.timeout}
         report["peers"] = peers_bench.run_peers_bench(peers_cfg, out, progress)
+    if args.only == "overhead":
+        quick = args.quick
+        overhead_cfg = {"per_rank_mib": 32 if quick else args.total_mib, "tensors": 16, "matmuls": 12,
+                        "intervals": [1, 10] if quick else [1, 10, 100], "warmup": 3,
+                        "steps": {"none": 30 if quick else 300, "1": 10 if quick else 40, "10": 30 if quick else 200,
+                                  "100": 300},
+                        "timeout": args.timeout}
+        report["overhead"] = overhead_bench.run_overhead_bench(overhead_cfg, out, progress)
     progress.finish()
     report["wall_s"] = time.perf_counter() - t0
     report["machine"]["loadavg_end"] = os.getloadavg()

@@ -522,6 +522,13 @@ class CheckpointManager:
                 self._pruner.request()  # the fast copy it read may go now
             if self.on_durable is not None:
                 self.on_durable(ended)
+        # copies that ended behind one still running (coalesced ones, while the store stalls) no
+        # longer read their fast checkpoint: retention may take it (reports stay in save order)
+        copying = frozenset(p for _, p, c in self._copies if not c.done())
+        if copying != self._copying:
+            self._copying = copying
+            if self._prunes_fast_tier and self.keep_last is not None:
+                self._pruner.request()
         return out
 
     def _mark_latest(self, root: str, path: str) -> None:

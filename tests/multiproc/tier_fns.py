@@ -360,6 +360,14 @@ def stalled_durable_tier(rank: int, ws: int, root: str, timeout: float, saves: i
         results.append(manager.wait(timeout)[-1].result)
     out: dict = {"gate_shut_after_saves": not os.path.exists(gate),
                  "behind": [r.durable_behind for r in results], "lag_s": [r.durable_lag_s for r in results]}
+
+    def listed() -> list[str]:
+        manager.poll()  # collects the coalesced copies' reports: their sources may go
+        manager.wait_for_pruning(timeout)
+        return sorted(n for n in os.listdir(fast) if n.startswith("iter_"))
+
+    wait_until(lambda: len(listed()) <= 3, timeout=20)  # bounded: the assertion says what was left
+    out["fast_while_stalled"] = listed()
     dist.barrier()
     if rank == 0:
         open(gate, "w").close()

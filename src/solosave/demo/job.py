@@ -251,8 +251,14 @@ def loop(args: argparse.Namespace, state: RankState, manager: CheckpointManager 
         if guard is not None and guard.stop_here(step, lambda s=step, p=position: state_dict(state, s, p)):
             state.staging = None  # the guard waited for the save's publication
             if state.rank == 0:
-                saved = "saved" if manager is not None else "nothing to save (no --save)"
-                print(f"exit signal received: {saved} step {step}, exiting", flush=True)
+                o = guard.outcome
+                if manager is None:
+                    said = f"nothing to save at step {step} (no --save)"
+                elif o is not None and o.published:
+                    said = f"saved step {step}" + (f" ({o.error})" if o.error else "")
+                else:
+                    said = f"the save of step {step} failed ({o.error if o is not None else 'not reported'})"
+                print(f"exit signal received: {said}, exiting", flush=True)
             return
 
 

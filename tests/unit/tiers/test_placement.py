@@ -3,6 +3,7 @@ restore (tiers/placement.py, tiers/peer_repair.py), without processes."""
 
 import argparse
 import itertools
+import os
 
 import pytest
 
@@ -265,3 +266,19 @@ def test_complete_here_at_another_world_size_checks_every_file(tmp_path):
     assert ranks_kept_here(st, str(tmp_path), names, 1, 4) == {0, 1, 2, 3}  # 2 hosts, K=1: everything
     assert ranks_kept_here(st, str(tmp_path), names, 6, 8) is None  # restored at 8 ranks: every file
     assert ranks_kept_here(st, str(tmp_path), names, 0, 2) is None
+
+
+def test_files_from_the_durable_copy_come_with_their_checksum_sidecars(tmp_path):
+    from solosave._src.storage.local import LocalStorage
+    from solosave._src.tiers.peer_repair import _copy_from_durable
+
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    durable.mkdir()
+    fast.mkdir()
+    for name, data in {"__0_0.distcp": b"zero", "__0_0.distcp.crc32": b"crc", "__1_0.distcp": b"one"}.items():
+        (durable / name).write_bytes(data)
+    st = LocalStorage()
+    assert _copy_from_durable(st, str(durable), st, str(fast), [0]) is None
+    assert sorted(os.listdir(fast)) == ["__0_0.distcp", "__0_0.distcp.crc32"]
+    assert (fast / "__0_0.distcp").read_bytes() == b"zero"
+    assert "holds no data file of rank(s) [2]" in _copy_from_durable(st, str(durable), st, str(fast), [2])

@@ -226,15 +226,17 @@ class AsyncCheckpointer:
             prepared, error = None, e
         ch = DistChannel(self.process_group, self._setup_counter)
         peers = None if self._peers is None else json.dumps(self._peers.describe(), sort_keys=True)
+        if self.options.durable_root:  # how copies are queued: the copiers' collectives depend on it
+            peers = json.dumps({"peers": peers, "durable_every_save": bool(self.options.durable_every_save)})
         agreed = ch.agree_setup(error is None, bool(self.options.durable_root), peers)
         if agreed.ok:  # every rank set up: a mismatch is seen by every rank alike
             if not agreed.same_durable:
                 raise ValueError("durable_root is set on some ranks only: pass the same durable_root (or none) "
                                  "to the AsyncCheckpointer of every rank")
             if not agreed.same_peers:
-                raise ValueError("peer_copies, ranks_per_host or hosts_per_domain differs between ranks: pass the "
-                                 "same to the AsyncCheckpointer of every rank (LOCAL_WORLD_SIZE must be the same on "
-                                 "every host)")
+                raise ValueError("peer_copies, ranks_per_host, hosts_per_domain or durable_every_save differs between "
+                                 "ranks: pass the same to the AsyncCheckpointer of every rank (LOCAL_WORLD_SIZE must "
+                                 "be the same on every host)")
             return prepared
         reports = ch.agree_ok(None if error is None else f"{type(error).__name__}: {error}", known_failed=True)
         if error is not None:

@@ -26,7 +26,9 @@ class PendingCopies:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._pending: dict[int, tuple[str, Future[DurableResult]]] = {}
-        self._since: dict[int, float] = {}  # time.monotonic() when each was tracked
+        #: Saves published since the newest one whose copy was published on the durable tier
+        #: (pending, coalesced or failed): when each was tracked (``time.monotonic()``).
+        self._since: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -36,8 +38,8 @@ class PendingCopies:
         return [path for _, (path, _) in sorted(self._pending.items())]
 
     def lag(self) -> tuple[int, float]:
-        """The copies pending and seconds since the oldest of them was tracked (its save
-        published on the fast tier)."""
+        """How far the durable tier is behind: the saves published on the fast tier since the
+        newest one published on the durable tier, and seconds since the oldest of them was."""
         if not self._since:
             return 0, 0.0
         return len(self._since), time.monotonic() - min(self._since.values())
@@ -53,7 +55,8 @@ class PendingCopies:
         """The worker reported the copy of save ``outcome.seq`` (unknown numbers are ignored:
         a copy already reported failed by :meth:`fail_all`)."""
         entry = self._pending.pop(outcome.seq, None)
-        self._since.pop(outcome.seq, None)
+        if outcome.ok:  # durable up to this save: the older ones are covered by it
+            self._since = {seq: t for seq, t in self._since.items() if seq > outcome.seq}
         if entry is not None:
             entry[1].set_result(durable_result_of(outcome))
 

@@ -148,9 +148,9 @@ class SaveResult:
     #: The ``save_id`` of the ``.metadata`` it published (``storage_meta.save_id``), the same on
     #: every rank: what tells this checkpoint from another one published under the same name.
     save_id: str = ""
-    #: Two tiers, the durable tier's lag when this save was published: earlier saves whose
-    #: durable copy had not ended, and seconds since the oldest of them was published (0, 0.0:
-    #: none behind).
+    #: Two tiers, the durable tier's lag when this save was published: earlier saves published
+    #: since the newest one that reached the durable tier (their copies pending, coalesced or
+    #: failed), and seconds since the oldest of them was published (0, 0.0: up to date).
     durable_behind: int = 0
     durable_lag_s: float = 0.0
 

@@ -8,8 +8,8 @@ gloo group: its collectives never interleave with a save's). Who calls what, per
 (every rank's copier runs the same tasks: a task exists exactly for each save published on the
 fast tier, which every rank knows alike):
 
-0. every rank: **latest wins** (unless ``durable_every_save``: then every task runs, in order,
-   and this step is skipped). A task that has not started when a newer one arrives is replaced
+0. every rank: **latest wins** (unless ``durable_every_save`` or peer copies: then every task
+   runs, in order, and this step is skipped). A task that has not started when a newer one arrives is replaced
    by it (reported *superseded*, not failed): copies that fall behind a stalled store are
    coalesced, and the fast tier never waits for them. Which task runs next is agreed, as the
    ranks' queues differ in time: one 8-byte ``all_reduce(MAX)`` of each rank's newest task ->
@@ -101,7 +101,9 @@ class Copier:
                  files_at_once: int = 1, peers: PeerLayout | None = None, coalesce: bool = True) -> None:
         self.channel = channel
         #: Latest wins (step 0 of the module docstring); ``False``: every task runs, in order.
-        self.coalesce = coalesce
+        #: Never with peer copies: the peer stage runs in the same task, and every save's peer
+        #: copy is what lets lost hosts be rebuilt without the durable tier.
+        self.coalesce = coalesce and peers is None
         #: Peer copies (``peer_copies``): where each host's files go; ``None``: no peer copy (see
         #: ``tiers/peer_copy.py``).
         self.peers = peers
@@ -114,6 +116,8 @@ class Copier:
         #: Tasks replaced by a newer one before they started, and that one's number (reported
         #: by the copier's thread, which alone calls ``post``).
         self._superseded: list[tuple[CopyTask, int]] = []
+        #: The task this rank offered in the choice under way (it may still be chosen).
+        self._offered: int | None = None
         self._running: CopyTask | None = None
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -123,17 +127,25 @@ class Copier:
 
     # -- the engine's side ----------------------------------------------------------------------
     def submit(self, task: CopyTask) -> None:
+        now: list[CopyTask] = []
         with self._cond:
             if self._closing:
                 return
-            if self.coalesce:  # latest wins (step 0)
-                self._superseded += [(old, task.seq) for old in self._queue]
+            if self.coalesce:  # latest wins (step 0); reported now, unless the ranks may still choose it
+                for old in self._queue:
+                    if old.seq == self._offered:
+                        self._superseded.append((old, task.seq))
+                    else:
+                        now.append(old)
                 self._queue.clear()
             self._queue.append(task)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="solosave-durable", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+        for old in now:  # while a stalled copy runs, so that retention may take their sources
+            self._post(DurableOutcome(old.seq, False, old.target, started_at=old.queued_at,
+                                      finished_at=time.time(), superseded_by=task.seq))
 
     def pending(self) -> int:
         """Tasks queued or running."""
@@ -141,9 +153,11 @@ class Copier:
             return len(self._queue) + (self._running is not None)
 
     def busy_with(self, directory: str) -> bool:
-        """Whether a task queued or running reads ``directory`` (a save about to rewrite it waits)."""
+        """Whether a task queued or running reads ``directory`` (a save about to rewrite it waits);
+        a task replaced but not yet reported counts too (the ranks may still choose it)."""
         with self._cond:
-            return any(t.source == directory for t in (*self._queue, self._running) if t is not None)
+            return any(t.source == directory
+                       for t in (*self._queue, self._running, *(t for t, _ in self._superseded)) if t is not None)
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait (bounded) until ``predicate()`` holds; it is checked whenever a task ends."""
@@ -211,7 +225,7 @@ class Copier:
             if not self.coalesce:  # every task, in order: nothing to agree on
                 first = self._running = self._queue.popleft()
                 return first
-            newest = self._queue[-1].seq
+            newest = self._offered = self._queue[-1].seq
         if self.broken is None:
             try:
                 newest = self.channel.all_reduce_max([newest])[0]
@@ -228,6 +242,7 @@ class Copier:
                     f"save {newest}'s durable copy, chosen by the ranks, never reached this rank in "
                     f"{self.channel.timeout:g} s; later durable copies fail at once")
             task = here()
+            self._offered = None
             if self._closing or task is None:
                 return None
             self._superseded = [(t, by) for t, by in self._superseded if t is not task]

@@ -104,6 +104,13 @@ class StopAgreement:
             self.request("requested by the callable")
         return self._notice
 
+    def _noticed_safely(self) -> bool:
+        """:meth:`_noticed`, where a raising ``requested()`` counts as no notice."""
+        try:
+            return self._noticed()
+        except Exception:  # noqa: BLE001 - the watcher reported it already
+            return self._notice
+
     # -- the training loop ------------------------------------------------------------------------
     def stop_here(self, step: int) -> bool:
         """The loop, at the boundary after step ``step``: whether every rank stops here (the
@@ -116,7 +123,7 @@ class StopAgreement:
             return self._stop_step is not None and step >= self._stop_step
         with self._cond:
             self._reached = step
-            if self._stop_step is None and self._error is not None and self._notice:
+            if self._stop_step is None and self._error is not None and self._noticed_safely():
                 raise ChannelError(f"a preemption notice here ({self._reason}) could not be agreed with the other "
                                    f"ranks: {self._error}")
             if self._stop_step is None and self._pending:
@@ -161,12 +168,12 @@ class StopAgreement:
                     return
                 if got[_CLOSING]:
                     return
-        except ChannelError as e:
+        except Exception as e:  # noqa: BLE001 - a round failed, or the user's requested() raised
             with self._cond:
-                self._error = str(e)
+                self._error = f"{type(e).__name__}: {e}"
                 self._cond.notify_all()
             if not self._closing.is_set():
-                log.warning("solosave: the preemption watcher stopped: %s", e)
+                log.warning("solosave: the preemption watcher stopped: %s", self._error)
 
 
 @dataclass(frozen=True)
@@ -276,6 +283,8 @@ class PreemptionGuard:
         m = self.manager
         if m is None:
             return StopOutcome(step, reason, None, None)
+        deadline = time.monotonic() + self.save_timeout  # one bound for the save and its copy
+        durable: bool | None = None
         try:
             if getattr(m, "last_saved_step", None) != step:
                 m.save(step, state_dict() if callable(state_dict) else state_dict)
@@ -283,17 +292,23 @@ class PreemptionGuard:
             mine = next((d for d in done if d.step == step), None) or next(
                 (d for d in reversed(m.done) if d.step == step), None)
             published = mine is not None and mine.error is None and mine.result is not None
-            durable = None
-            if published and getattr(m, "durable_root", None):
-                copies = m.wait_for_copies(self.save_timeout)
-                ended = next((c for c in reversed(copies) if c.step == step), None) or next(
-                    (c for c in reversed(m.durable_done) if c.step == step), None)
-                durable = ended is not None and ended.result.ok
-            error = None if published else (mine.error if mine is not None else "the save did not end in time")
+            error = None if published else str(mine.error if mine is not None else "the save did not end in time")
         except (SolosaveError, OSError, ValueError) as e:
-            published, durable, error = False, None, str(e)
-        if error:
+            published, error = False, str(e)
+        if published and getattr(m, "durable_root", None):
+            try:
+                m.wait_for_copies(max(deadline - time.monotonic(), 0.0))
+                ended = next((c for c in reversed(m.durable_done) if c.step == step), None)
+                durable = ended is not None and ended.result.ok
+                if not durable:
+                    error = "its durable copy failed: " + str(ended.result.error if ended else "not reported")
+            except (SolosaveError, OSError) as e:  # published on the fast tier; the copy did not end in time
+                durable, error = False, f"its durable copy did not end within {self.save_timeout:g} s: {e}"
+        if not published:
             log.error("solosave: the preemption save of step %d failed: %s", step, error)
+        elif error:
+            log.error("solosave: preemption (%s): step %d published on the fast tier, but %s; stopping",
+                      reason or "notice on another rank", step, error)
         else:
             log.warning("solosave: preemption (%s): step %d saved%s; stopping", reason or "notice on another rank",
                         step, "" if durable is None else (" and durable" if durable else ", durable copy NOT done"))
