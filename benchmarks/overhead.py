@@ -22,7 +22,8 @@ for N in ``intervals``. Each configuration first makes one untimed save (a worke
 the first save's plans are paid once per job), then runs ``steps[N]`` steps after ``warmup``
 steps; the
 figures are the slowest rank's mean and median step time, and the mean over ``none``'s (the
-mean carries the saves' cost, the median the steps without one). Nothing here is a GPU: the
+mean carries the saves' cost, the median the steps without one), and for solosave the median
+phases of its saves on rank 0 (``SaveResult.timings``). Nothing here is a GPU: the
 copies compete with the compute thread for the same two cores, which is the worst case.
 """
 
@@ -101,6 +102,10 @@ def _rank(rank: int, ws: int, root: str, cfg: Json) -> Json:
             if i >= cfg["warmup"]:
                 times.append(time.perf_counter() - t0)
         if manager is not None:
+            manager.wait(300)
+            timed = [d.result.timings for d in manager.done[1:] if d.result is not None]  # not the untimed one
+            out[f"{name}:phases"] = {k: statistics.median(getattr(t, k) for t in timed)
+                                     for k in ("block", "stage", "write", "publish", "to_published")} if timed else {}
             manager.finish(300)
         if future is not None:
             future.result()
@@ -128,6 +133,7 @@ def run_overhead_bench(cfg: Json, out: Path, progress: Any = None) -> Json:
     if progress is not None:
         progress.step("overhead")
     figures: Json = {}
+    phases = {name: ranks[0].get(f"{name}:phases", {}) for name in configs if name.startswith("solosave")}
     for name in configs:
         means = [statistics.fmean(r[name]) for r in ranks]
         medians = [statistics.median(r[name]) for r in ranks]
@@ -135,7 +141,8 @@ def run_overhead_bench(cfg: Json, out: Path, progress: Any = None) -> Json:
     base_mean = figures["none"]["mean_s"]
     for f in figures.values():
         f["mean_ratio"] = f["mean_s"] / base_mean
-    return {"config": {k: v for k, v in cfg.items() if k != "configs"}, "fast_dir": str(base), "figures": figures}
+    return {"config": {k: v for k, v in cfg.items() if k != "configs"}, "fast_dir": str(base), "figures": figures,
+            "solosave_phases_s": phases}
 
 
 def print_overhead(r: Json) -> None:
@@ -146,6 +153,9 @@ def print_overhead(r: Json) -> None:
     for name, f in r["figures"].items():
         print(f"  {name:16s} {f['steps']:6d} {f['mean_s'] * 1e3:9.1f} {f['median_s'] * 1e3:10.1f} "
               f"{f['mean_ratio']:11.2f}x")
+    for name, ph in r.get("solosave_phases_s", {}).items():
+        if ph:
+            print(f"  {name}: median per save (rank 0): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ph.items()))
 
 
 def plot_overhead(r: Json, plots: Path) -> list:
