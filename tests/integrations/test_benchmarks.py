@@ -53,3 +53,19 @@ def test_the_placement_model_counts_what_brute_force_counts():
     # 8 hosts in 4 racks of 2, one copy: losing one rack never loses a file with the domains known
     assert p_no_durable_read_domains(groups_of("solosave", 8, 1, 2), 1, 2, 1) == (1.0, "exact")
     assert p_no_durable_read_domains(groups_of("solosave", 8, 1, 1), 1, 2, 1)[0] < 1.0
+
+
+def test_the_overhead_benchmark_times_every_configuration(tmp_path):
+    """A small run of ``--only overhead``: every configuration timed on both ranks, solosave's
+    save phases reported, and the table printed."""
+    from benchmarks import overhead
+
+    cfg = {"per_rank_mib": 4, "tensors": 4, "matmuls": 1, "intervals": [1, 3], "warmup": 1,
+           "steps": {"none": 6, "1": 4, "3": 6}, "timeout": 200}
+    r = overhead.run_overhead_bench(cfg, tmp_path)
+    assert list(r["figures"]) == ["none", "solosave/1", "dcp/1", "solosave/3", "dcp/3"]
+    assert [f["steps"] for f in r["figures"].values()] == [6, 4, 4, 6, 6]
+    assert r["figures"]["none"]["mean_ratio"] == 1.0 and all(f["mean_s"] > 0 for f in r["figures"].values())
+    assert set(r["solosave_phases_s"]) == {"solosave/1", "solosave/3"}
+    assert all(ph["to_published"] >= ph["write"] > 0 for ph in r["solosave_phases_s"].values())
+    overhead.print_overhead(r)
