@@ -120,8 +120,8 @@ def _rank(rank: int, ws: int, root: str, cfg: Json) -> Json:
 
 def run_overhead_bench(cfg: Json, out: Path, progress: Any = None) -> Json:
     """Run the benchmark (see the module docstring)."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else out
-    root = base / f"solosave-overhead-bench-{os.getpid()}"
+    base = Path(cfg.get("fast_dir") or ("/dev/shm" if Path("/dev/shm").is_dir() else out))
+    root = base / f"overhead-bench-{os.getpid()}"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     configs = ["none"] + [f"{k}/{n}" for n in cfg["intervals"] for k in ("solosave", "dcp")]

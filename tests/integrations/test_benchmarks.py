@@ -61,7 +61,7 @@ def test_the_overhead_benchmark_times_every_configuration(tmp_path):
     from benchmarks import overhead
 
     cfg = {"per_rank_mib": 4, "tensors": 4, "matmuls": 1, "intervals": [1, 3], "warmup": 1,
-           "steps": {"none": 6, "1": 4, "3": 6}, "timeout": 200}
+           "steps": {"none": 6, "1": 4, "3": 6}, "timeout": 200, "fast_dir": str(tmp_path)}
     r = overhead.run_overhead_bench(cfg, tmp_path)
     assert list(r["figures"]) == ["none", "solosave/1", "dcp/1", "solosave/3", "dcp/3"]
     assert [f["steps"] for f in r["figures"].values()] == [6, 4, 4, 6, 6]

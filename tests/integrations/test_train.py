@@ -274,57 +274,45 @@ def test_resume_at_another_world_size(run_a, tmp_path):
     assert "checkpoint of 1 ranks on 3" in r.stdout and "re-seeded" in r.stdout
 
 
-def test_exit_signal_handler_saves_and_exits_cleanly(tmp_path):
-    import signal
-
+def _preempted_job(tmp_path, flags, preempt):
+    """A long job with ``flags``; after its third step ``preempt(process)`` (the notice); it must
+    save once and exit 0. Returns (the steps logged before the notice, its output, the save)."""
     log = tmp_path / "log.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.Popen([sys.executable, "-m", "solosave", "train", *COMMON, "--steps", "100000",
-                          "--save", str(tmp_path / "ck"), "--save-interval", "100000", "--async-save",
-                          "--use-persistent-ckpt-worker", "--exit-signal-handler", "--json-log", str(log)],
+                          "--save", str(tmp_path / "ck"), "--save-interval", "100000", "--async-save", *flags,
+                          "--json-log", str(log)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                          start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not (log.exists() and len(records(log, "step")) >= 3) and time.monotonic() < deadline:
             time.sleep(0.2)
-        # a scheduler's preemption: the launcher's process group, which the ranks are not in
-        # (each has a session of its own): the launcher passes the signal on
-        os.killpg(p.pid, signal.SIGTERM)
+        before = len(records(log, "step"))
+        preempt(p)
         out, _ = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode == 0, out
     saves = records(log, "save")
-    assert len(saves) == 1 and saves[0]["ok"], out
-    assert "exit signal received: saved step" in out and "verified" in out
+    assert len(saves) == 1 and saves[0]["ok"] and saves[0]["step"] >= before, out
+    assert f"exit signal received: saved step {saves[0]['step']}, exiting" in out and "verified" in out
     assert (tmp_path / "ck" / f"iter_{saves[0]['step']:07d}" / ".metadata").exists()
+    return before, out, saves[0]
+
+
+def test_exit_signal_handler_saves_and_exits_cleanly(tmp_path):
+    # a scheduler's preemption: the launcher's process group, which the ranks are not in (each
+    # has a session of its own): the launcher passes the signal on
+    _preempted_job(tmp_path, ["--use-persistent-ckpt-worker", "--exit-signal-handler"],
+                   lambda p: os.killpg(p.pid, signal.SIGTERM))
 
 
 def test_a_preemption_notice_file_saves_one_step_on_every_rank_and_exits(tmp_path):
-    log, notice = tmp_path / "log.jsonl", tmp_path / "preempt-notice"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-m", "solosave", "train", *COMMON, "--steps", "100000",
-                          "--save", str(tmp_path / "ck"), "--save-interval", "100000", "--async-save",
-                          "--preemption-notice-file", str(notice), "--json-log", str(log)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                         start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (log.exists() and len(records(log, "step")) >= 3) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        noticed_after = len(records(log, "step"))
-        notice.write_text("the scheduler will stop this job in 60 s\n")
-        out, _ = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    assert p.returncode == 0, out
-    saves = records(log, "save")
-    assert len(saves) == 1 and saves[0]["ok"] and saves[0]["step"] >= noticed_after, out
-    assert f"exit signal received: saved step {saves[0]['step']}, exiting" in out and "verified" in out
-    assert (tmp_path / "ck" / f"iter_{saves[0]['step']:07d}" / ".metadata").exists()
+    notice = tmp_path / "preempt-notice"
+    _preempted_job(tmp_path, ["--preemption-notice-file", str(notice)],
+                   lambda p: notice.write_text("the scheduler will stop this job in 60 s\n"))
 
 
 @pytest.mark.slow  # 34 s here; run by make test-slow (in CI)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,22 @@ from tests.multiproc.tier_fns import state
 from tests.support import assert_equal, zeros_like
 
 
+def _train(rank: int, manager: CheckpointManager, guard: PreemptionGuard, steps: int, interval: int,
+           before: Any) -> int | None:
+    """The loop: ``before(step)``, the step's all_reduce (as gradients' keep the ranks in step), a
+    save every ``interval`` steps, then the guard. Returns the step it stopped at."""
+    flag = torch.zeros(1)
+    for step in range(1, steps + 1):
+        before(step)
+        dist.all_reduce(flag)
+        manager.poll()
+        if step % interval == 0:
+            manager.save(step, state(rank, step))
+        if guard.stop_here(step, lambda s=step: state(rank, s)):
+            return step
+    return None
+
+
 def guarded_loop(rank: int, world_size: int, root: str, victims: list[int], notice_step: int, exit_code: int | None,
                  interval: int = 5) -> dict:
     """Train up to 400 steps (each ends with an all_reduce, as gradients do), saving every
@@ -24,19 +41,12 @@ def guarded_loop(rank: int, world_size: int, root: str, victims: list[int], noti
     ck = solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=f"{root}/durable", timeout=60)
     manager = CheckpointManager(f"{root}/fast", ck, keep_last=2)
     guard = PreemptionGuard(manager, interval=0.02, timeout=30, exit_code=exit_code, save_timeout=60)
-    flag = torch.zeros(1)
-    stop = None
-    for step in range(1, 401):
+    def before(step: int) -> None:
         time.sleep(0.002 * (1 + rank))  # uneven step times
-        dist.all_reduce(flag)
         if rank in victims and step in (notice_step, notice_step + 3):
             os.kill(os.getpid(), signal.SIGTERM)
-        manager.poll()
-        if step % interval == 0:
-            manager.save(step, state(rank, step))
-        if guard.stop_here(step, lambda s=step: state(rank, s)):
-            stop = step
-            break
+
+    stop = _train(rank, manager, guard, 400, interval, before)
     outcome = guard.outcome
     guard.close()
     manager.finish(60)
@@ -101,19 +111,13 @@ def soak_job(rank: int, world_size: int, root: str, seed: int) -> dict:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=grace_end, daemon=True).start()
-    flag = torch.zeros(1)
-    stop = None
-    for step in range(1, 200):
+
+    def before(step: int) -> None:
         if rank in trial["victims"] and step == trial["notice_step"]:
             threading.Thread(target=notice, daemon=True).start()
         time.sleep(0.003)
-        dist.all_reduce(flag)
-        manager.poll()
-        if step % trial["interval"] == 0:
-            manager.save(step, state(rank, step))
-        if guard.stop_here(step, lambda s=step: state(rank, s)):
-            stop = step
-            break
+
+    stop = _train(rank, manager, guard, 200, trial["interval"], before)
     outcome = guard.outcome
     guard.close()
     manager.finish(30)

@@ -91,18 +91,17 @@ def test_every_rank_stops_at_the_same_step_whoever_gets_the_notice(seed):
         assert {(c.kind, c.payload_bytes) for c in counter.since(0)} == {("all_reduce", 24)}
 
 
-def test_a_notice_file_and_a_callable_are_notices(tmp_path):
-    notice = tmp_path / "preempt"
-    flag = threading.Event()
+def _stop_on(notice_step, trigger, **per_rank):
+    """Two lockstep ranks; ``trigger()`` runs on rank 0 at ``notice_step``; ``per_rank[name]``:
+    the agreement's keyword ``name`` for each rank. Returns each rank's (stop step, reason)."""
     barrier = threading.Barrier(2)
 
     def body(rank, ch):
-        a = StopAgreement(ch, interval=0.01, timeout=30, notice_file=notice if rank == 0 else None,
-                          requested=flag.is_set if rank == 1 else None)
+        a = StopAgreement(ch, interval=0.01, timeout=30, **{k: v[rank] for k, v in per_rank.items()})
         try:
             for step in range(1, 2000):
-                if step == 20 and rank == 0:
-                    notice.write_text("")
+                if step == notice_step and rank == 0:
+                    trigger()
                 if a.stop_here(step):
                     return step, a.reason
                 barrier.wait(30)
@@ -110,25 +109,15 @@ def test_a_notice_file_and_a_callable_are_notices(tmp_path):
         finally:
             a.close(10)
 
-    (s0, why0), (s1, why1) = _run_ranks(2, body)
+    return _run_ranks(2, body)
+
+
+def test_a_notice_file_and_a_callable_are_notices(tmp_path):
+    notice = tmp_path / "preempt"
+    (s0, why0), (s1, why1) = _stop_on(20, lambda: notice.write_text(""), notice_file=[notice, None])
     assert s0 == s1 and s0 >= 20 and "notice file" in why0 and why1 is None
-    notice.unlink()
-    barrier = threading.Barrier(2)
-
-    def body2(rank, ch):
-        a = StopAgreement(ch, interval=0.01, timeout=30, requested=flag.is_set if rank == 1 else None)
-        try:
-            for step in range(1, 2000):
-                if step == 7:
-                    flag.set()
-                if a.stop_here(step):
-                    return step, a.reason
-                barrier.wait(30)
-                time.sleep(0.001)
-        finally:
-            a.close(10)
-
-    (s0, why0), (s1, why1) = _run_ranks(2, body2)
+    flag = threading.Event()
+    (s0, why0), (s1, why1) = _stop_on(7, flag.set, requested=[None, flag.is_set])
     assert s0 == s1 and s0 >= 7 and why0 is None and why1 == "requested by the callable"
 
 
