@@ -195,7 +195,7 @@ def test_every_checkpointer_option_reaches_the_checkpointer():
 
     changed = {"files_per_rank": 3, "worker": "thread", "on_layout_drift": "raise", "timeout": 5.0,
                "checksums": True, "staging_dir": "/tmp/stage", "stage_replicas": True,
-               "storage_options": {"anon": True}, "durable_root": "/tmp/durable", "durable_every_save": True,
+               "storage_options": {"anon": True}, "durable_root": "/tmp/durable", "durable_every_save": True, "durable_retries": 4,
                "peer_copy": True,
                "peer_copies": 2, "ranks_per_host": 2, "hosts_per_domain": 4}
     names = {f.name for f in dataclasses.fields(CheckpointerOptions)} - ADAPTER_SET

@@ -36,8 +36,8 @@ def test_a_failed_copy_is_reported_on_every_rank_and_the_next_copy_succeeds(tmp_
         assert all(o[s]["published"] for s in range(3))  # the fast tier: every save published
         assert o[0]["ok"] and o[2]["ok"] and not o[1]["ok"], (o[0]["error"], o[1]["error"], o[2]["error"])
         assert o[1]["failures"] == [1] and "injected: the durable storage failed" in o[1]["error"]
-        # the choice of the copy, its status word; the errors travel on failure only
-        assert o[1]["calls"] == ["all_reduce", "all_reduce", "all_gather_object"]
+        # the choice of the copy, then per try (one retry) its status word; the errors travel on failure only
+        assert o[1]["calls"] == ["all_reduce"] + ["all_reduce", "all_gather_object"] * 2 and o[1]["attempts"] == 2
         assert o["fast_1_loads"] and not o["durable_1_published"] and o["durable_2_loads"]
     assert out[0][1]["error"] == out[1][1]["error"]
 

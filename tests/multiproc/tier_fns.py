@@ -132,12 +132,12 @@ def failed_copy(rank: int, ws: int, root: str, timeout: float, persistent: bool)
     writer = TierWriter(durable, "iter_1", 1, "fail")
     out: dict = {}
     with solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=durable, timeout=timeout,
-                                    writer=writer, persistent_worker=persistent) as ck:
+                                    writer=writer, persistent_worker=persistent, durable_retries=1) as ck:
         for step in range(3):
             r = ck.save(state(rank, step), f"{fast}/iter_{step}").wait(timeout)
             d = r.durable.wait(timeout)
             out[step] = {"mode": r.mode, "published": r.published, "ok": d.ok, "failures": sorted(d.failures),
-                         "error": d.error, "calls": [c.kind for c in d.collectives]}
+                         "error": d.error, "calls": [c.kind for c in d.collectives], "attempts": d.attempts}
     dist.barrier()
     out["fast_1_loads"] = _loads(state(rank, 1), f"{fast}/iter_1")
     out["durable_1_published"] = os.path.exists(f"{durable}/iter_1/.metadata")

@@ -327,3 +327,34 @@ def test_every_save_is_copied_in_order_when_asked(tmp_path):
     for p in posted:
         assert [(o.seq, o.ok) for o in p] == [(1, True), (2, True), (3, True), (4, True)]
         assert all([c.kind for c in o.collectives] == ["all_reduce"] for o in p)
+
+
+class FailingTimesWriter(FileWriter):
+    """Fails rank ``rank``'s durable copy the first ``times`` times it is opened."""
+
+    def __init__(self, rank, times):
+        super().__init__(fsync=False)
+        self.rank, self.left = rank, times
+
+    def open(self, path):
+        if "durable" in path and os.path.basename(path).startswith(f"__{self.rank}_") and self.left > 0:
+            self.left -= 1
+            raise OSError(5, "Input/output error (injected)", path)
+        return super().open(path)
+
+
+@pytest.mark.parametrize("fails,ok", [(1, True), (2, True), (3, False)])
+def test_a_failed_copy_is_tried_again_on_every_rank_with_a_back_off(tmp_path, fails, ok):
+    world = 2
+    fast = _fake_fast(tmp_path, world)
+    target = str(tmp_path / "durable" / "fast")
+    tasks = [CopyTask(1, str(fast), target, (f"__{r}_0.distcp",)) for r in range(world)]
+    copiers = [Copier(ch, FailingTimesWriter(1, fails), retries=2, backoff=0.01) for ch in local_channels(world)]
+    outs = _run_copies(copiers, tasks)
+    assert [o.ok for o in outs] == [ok] * world and [o.attempts for o in outs] == [min(fails + 1, 3)] * world
+    assert os.path.exists(os.path.join(target, METADATA_FILE)) == ok
+    # each try: the status word, and the errors' gather when it failed
+    kinds = ["all_reduce", "all_gather_object"] * min(fails, 3) + (["all_reduce"] if ok else [])
+    assert all([c.kind for c in o.collectives] == kinds for o in outs)
+    if not ok:
+        assert "Input/output error (injected)" in outs[0].failures[1]

@@ -209,6 +209,8 @@ class EngineSettings:
     #: Two tiers: every save copied, in order (``CheckpointerOptions.durable_every_save``);
     #: ``False``: copies that fall behind are coalesced, the latest wins.
     durable_every_save: bool = False
+    #: Two tiers: tries after a failed durable copy (``CheckpointerOptions.durable_retries``).
+    durable_retries: int = 0
 
 
 @dataclass(frozen=True)
@@ -358,6 +360,8 @@ class DurableOutcome:
     #: Not copied: a newer save's copy replaced it before it started (latest wins); that save's
     #: number.
     superseded_by: int | None = None
+    #: How many times the copy was run (more than one: it failed and was tried again).
+    attempts: int = 1
 
 
 class WorkerMessage(NamedTuple):

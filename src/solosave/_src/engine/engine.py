@@ -90,7 +90,7 @@ class Engine:
                                settings.peer_hosts_per_domain)
                  if durable is not None and settings.peer_ranks_per_host else None)
         self.copier = (Copier(durable, writer, settings.storage_options, settings.files_per_rank, peers,
-                              coalesce=not settings.durable_every_save)
+                              coalesce=not settings.durable_every_save, retries=settings.durable_retries)
                        if durable is not None and settings.durable_root else None)
 
     def close(self, timeout: float = 5.0) -> None:

@@ -176,7 +176,8 @@ class AsyncCheckpointer:
         peers = self._peers
         settings = EngineSettings(o.files_per_rank, o.on_layout_drift, o.prepared_path, o.storage_options,
                                   o.durable_root, self.peer_ranks_per_host, peers.copies if peers else 1,
-                                  peers.placement.hosts_per_domain if peers else 1, o.durable_every_save)
+                                  peers.placement.hosts_per_domain if peers else 1, o.durable_every_save,
+                                  o.durable_retries)
         self._res.store, (host, port, prefix) = share_store_address(self.process_group, self._setup_counter, o.timeout)
         self._res.address, self._res.others = (host, port, prefix), self.world_size - 1
         self._session.run_id = prefix  # fresh per checkpointer (a uuid4), the same on every rank
@@ -227,16 +228,17 @@ class AsyncCheckpointer:
         ch = DistChannel(self.process_group, self._setup_counter)
         peers = None if self._peers is None else json.dumps(self._peers.describe(), sort_keys=True)
         if self.options.durable_root:  # how copies are queued: the copiers' collectives depend on it
-            peers = json.dumps({"peers": peers, "durable_every_save": bool(self.options.durable_every_save)})
+            peers = json.dumps({"peers": peers, "durable_every_save": bool(self.options.durable_every_save),
+                                "durable_retries": self.options.durable_retries})
         agreed = ch.agree_setup(error is None, bool(self.options.durable_root), peers)
         if agreed.ok:  # every rank set up: a mismatch is seen by every rank alike
             if not agreed.same_durable:
                 raise ValueError("durable_root is set on some ranks only: pass the same durable_root (or none) "
                                  "to the AsyncCheckpointer of every rank")
             if not agreed.same_peers:
-                raise ValueError("peer_copies, ranks_per_host, hosts_per_domain or durable_every_save differs between "
-                                 "ranks: pass the same to the AsyncCheckpointer of every rank (LOCAL_WORLD_SIZE must "
-                                 "be the same on every host)")
+                raise ValueError("peer_copies, ranks_per_host, hosts_per_domain, durable_every_save or durable_retries "
+                                 "differs between ranks: pass the same to the AsyncCheckpointer of every rank "
+                                 "(LOCAL_WORLD_SIZE must be the same on every host)")
             return prepared
         reports = ch.agree_ok(None if error is None else f"{type(error).__name__}: {error}", known_failed=True)
         if error is not None:

@@ -117,6 +117,9 @@ class _OptionFields:
         "two tiers: copy every save to the durable tier, in order, even when the copies fall "
         "behind (a save then waits, before it writes, while two copies are pending). Default: "
         "copies that fall behind are coalesced, the latest wins, and no save ever waits for them"))
+    durable_retries: int = option(2, flag="--ckpt-durable-retries", metavar="N", help=(
+        "two tiers: a durable copy that failed on some rank is tried again, on every rank, up to N "
+        "more times, after 1 s, 2 s, 4 s, ... (default 2; 0: never)"))
     peer_copy: bool = option(False, flag="--ckpt-peer-copy", help=(
         "one peer copy: the same as peer_copies=1"))
     peer_copies: int = option(0, flag="--ckpt-peer-copies", metavar="K", help=(
@@ -139,6 +142,9 @@ class _OptionFields:
         _check_storage_options(self)
         _check_durable_root(self)
         _check_peer_copy(self)
+        r = self.durable_retries
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= 10:
+            raise OptionError(f"{{durable_retries}} must be a whole number from 0 to 10, got {r!r}")
         n = self.files_per_rank
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise OptionError(f"{{files_per_rank}} must be >= 1 (an int: files per rank), got {n!r}")

@@ -58,6 +58,8 @@ class DurableResult:
     #: Not copied, on purpose: a newer save's copy replaced it before it started (durable
     #: copies that fall behind are coalesced, the latest wins). Not a failure; ``ok`` is False.
     superseded: bool = False
+    #: How many times the copy was run (more than one: it failed and was tried again).
+    attempts: int = 1
 
     @property
     def peer_error(self) -> str | None:
@@ -82,7 +84,8 @@ class DurableResult:
 def durable_result_of(outcome: DurableOutcome) -> DurableResult:
     return DurableResult(outcome.path, outcome.ok, dict(outcome.failures), outcome.bytes_copied,
                          max(outcome.finished_at - outcome.started_at, 0.0), tuple(outcome.collectives),
-                         outcome.peer_ok, dict(outcome.peer_failures), outcome.superseded_by is not None)
+                         outcome.peer_ok, dict(outcome.peer_failures), outcome.superseded_by is not None,
+                         outcome.attempts)
 
 
 class DurableCopy:

@@ -20,7 +20,8 @@ fast tier, which every rank knows alike):
    (:func:`~solosave._src.storage.copy.stream_into` into the writer's data file: on S3 a
    concurrent multipart upload);
 2. every rank: **one** 8-byte ``all_reduce`` of the status word (ok / failed, and the task's
-   identity: ranks copying different saves are out of step);
+   identity: ranks copying different saves are out of step); agreed failed, steps 1-2 run again
+   on every rank, up to ``retries`` more times, after a back-off (1 s, 2 s, 4 s, ...);
 3. agreed ok: the coordinator copies the load index and ``.metadata`` (their ``checkpoint_id``
    re-pointed at the durable directory), ``.metadata`` last, atomically, and posts a receipt
    (a store key, not a collective) that the other ranks wait for; agreed failed: every rank
@@ -98,8 +99,12 @@ class Copier:
     the transport before the first save; its errors are ignored: the trainer may be gone)."""
 
     def __init__(self, channel: Channel, writer: FileWriter, storage_options: Mapping[str, Any] | None = None,
-                 files_at_once: int = 1, peers: PeerLayout | None = None, coalesce: bool = True) -> None:
+                 files_at_once: int = 1, peers: PeerLayout | None = None, coalesce: bool = True,
+                 retries: int = 0, backoff: float = 1.0) -> None:
         self.channel = channel
+        #: A copy that every rank agreed failed is run again, on every rank, up to ``retries`` more
+        #: times, ``backoff`` s later, then twice that, ... (steps 1-3 only: not the peer stage).
+        self.retries, self.backoff = retries, backoff
         #: Latest wins (step 0 of the module docstring); ``False``: every task runs, in order.
         #: Never with peer copies: the peer stage runs in the same task, and every save's peer
         #: copy is what lets lost hosts be rebuilt without the durable tier.
@@ -258,24 +263,40 @@ class Copier:
         mark = ch.counter.mark() if mark is None else mark
         copied, failures = 0, {}
         peer_ok, peer_failures = self._peer_step(task)
+        attempts = 0
         if self.broken is not None:
             failures = {ch.rank: self.broken}
-        else:
-            error = None
-            try:
-                copied = self._copy_files(task)
-            except Exception as e:  # noqa: BLE001 - becomes status FAILED on every rank
-                error = f"copying to {task.target} failed: {describe(e)}"
-            try:
-                failures, published = self._agree(task, error)
-                copied += published
-            except (ChannelError, OutOfStep) as e:
-                self.broken = (f"the durable channel failed during the copy to {task.target} ({e}): another "
-                               "rank's worker died or did not answer in time; later durable copies fail at once: "
-                               "close() this checkpointer and create a new AsyncCheckpointer on every rank")
-                failures = {ch.rank: self.broken}
+        while self.broken is None:  # the outcome is agreed: every rank tries again alike
+            if attempts:
+                time.sleep(self.backoff * 2 ** (attempts - 1))
+            attempts += 1
+            copied, failures, retryable = self._copy_and_agree(task)
+            if not failures or not retryable or attempts > self.retries or self.broken is not None:
+                break
+            log.warning("solosave: the durable copy to %s failed (try %d of %d), trying again: %s", task.target,
+                        attempts, self.retries + 1, "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items())))
         return DurableOutcome(task.seq, not failures, task.target, failures, copied,
-                              tuple(ch.counter.since(mark)), task.queued_at, time.time(), peer_ok, peer_failures)
+                              tuple(ch.counter.since(mark)), task.queued_at, time.time(), peer_ok, peer_failures,
+                              attempts=max(attempts, 1))
+
+    def _copy_and_agree(self, task: CopyTask) -> tuple[int, dict[int, str], bool]:
+        """Steps 1-3 once: ``(bytes copied here, failures by rank, whether trying again may
+        help)``: only an agreed failure of the copy itself is tried again (a failed publication
+        is not: its receipt is the save's, posted once). A broken channel breaks the copier."""
+        ch = self.channel
+        copied, error = 0, None
+        try:
+            copied = self._copy_files(task)
+        except Exception as e:  # noqa: BLE001 - becomes status FAILED on every rank
+            error = f"copying to {task.target} failed: {describe(e)}"
+        try:
+            failures, published, agreed_failed = self._agree(task, error)
+            return copied + published, failures, agreed_failed
+        except (ChannelError, OutOfStep) as e:
+            self.broken = (f"the durable channel failed during the copy to {task.target} ({e}): another "
+                           "rank's worker died or did not answer in time; later durable copies fail at once: "
+                           "close() this checkpointer and create a new AsyncCheckpointer on every rank")
+            return copied, {ch.rank: self.broken}, False
 
     def _peer_step(self, task: CopyTask) -> tuple[bool | None, dict[int, str]]:
         """The peer copy of ``task`` (``tiers/peer_copy.py``), before its durable copy: ``(ok or None
@@ -295,13 +316,14 @@ class Copier:
             return False, {self.channel.rank: self.broken}
         return not failures, failures
 
-    def _agree(self, task: CopyTask, error: str | None) -> tuple[dict[int, str], int]:
-        """Steps 2-3: the status word, then publication (ok) or the errors (failed)."""
+    def _agree(self, task: CopyTask, error: str | None) -> tuple[dict[int, str], int, bool]:
+        """Steps 2-3: the status word, then publication (ok) or the errors (failed); the last
+        value says the copy failed (agreed), not its publication."""
         ch = self.channel
         status = Status.OK if error is None else Status.FAILED
         agreed = ch.agree(status, task.identity, f"durable copy of save {task.seq}", error=error)
         if agreed.status is not Status.OK:
-            return agreed.failures, 0
+            return agreed.failures, 0, True
         published = 0
 
         def publish() -> str | None:
@@ -314,7 +336,7 @@ class Copier:
 
         error = ch.publish_by_coordinator(task.seq, publish, previous=self._last_receipt)
         self._last_receipt = task.seq
-        return ({} if error is None else {ch.coordinator: error}), published
+        return ({} if error is None else {ch.coordinator: error}), published, False
 
     def _copy_files(self, task: CopyTask) -> int:
         """Step 1 on this rank; returns the bytes copied."""
