@@ -28,7 +28,9 @@ def test_retention_never_deletes_the_newest_complete_copy_of_either_tier(tmp_pat
     out = run_ranks(r4.durable_copies_fail_while_retention_runs, 2, str(tmp_path), TIMEOUT, timeout=200)
     r = out[0]
     assert [(s, ok) for s, ok, _ in r["copies"]] == [(1, True), (2, True), (3, False), (4, False), (5, False)]
-    assert all("No space left" in e for _, ok, e in r["copies"] if not ok), r["copies"]  # never a source deleted
+    # never a source deleted: each failed copy failed on the full disk (each tried again, in vain), or was
+    # coalesced into a newer one while those tries ran
+    assert all("No space left" in e or "coalesced" in e for _, ok, e in r["copies"] if not ok), r["copies"]
     for d in r["deletions"]:  # at every deletion, a newer complete copy stays on the same tier
         assert max(d[d["tier"]]) > d["step"], d
         assert d["tier"] == "durable" or d["step"] not in d["copying"], d
