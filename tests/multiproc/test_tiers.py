@@ -147,3 +147,10 @@ def test_a_stalled_durable_store_never_holds_up_a_save_and_the_newest_copy_follo
              f"all {saves} saves published on the fast tier while it was stalled (none waited), lag reported "
              f"{out[0]['behind']} saves behind; once it answered, copies {[s for s, ok, _ in out[0]['copies'] if ok]} "
              "ran (the others coalesced), the durable latest points at the newest, which loads bit for bit")
+
+
+@pytest.mark.parametrize("case", ["durable_root", "durable_every_save", "durable_retries"])
+def test_two_tier_settings_that_differ_between_ranks_are_refused_on_every_rank(tmp_path, case):
+    out = run_ranks(tier_fns.mismatched_setup, 2, str(tmp_path), case, timeout=120)
+    assert out[0] == out[1] and case.split("_")[0] in out[0] and "every rank" in out[0], out
+    assert case in out[0] or case == "durable_root", out

@@ -379,3 +379,20 @@ def stalled_durable_tier(rank: int, ws: int, root: str, timeout: float, saves: i
     manager.finish(timeout)
     out["newest_loads"] = _loads(state(rank, saves), f"{durable}/iter_{saves:07d}")
     return out
+
+
+def mismatched_setup(rank: int, ws: int, root: str, case: str) -> str:
+    """Rank 0 and rank 1 construct their checkpointers with different two-tier settings: every
+    rank must refuse, with the same message (their copiers' collectives would not pair)."""
+    kwargs: dict = {"durable_root": f"{root}/durable"}
+    if case == "durable_root" and rank == 1:
+        kwargs = {}
+    if case == "durable_every_save" and rank == 0:
+        kwargs["durable_every_save"] = True
+    if case == "durable_retries" and rank == 1:
+        kwargs["durable_retries"] = 0
+    try:
+        solosave.AsyncCheckpointer(assume_constant_structure=True, timeout=30, **kwargs).close()
+    except ValueError as e:
+        return str(e)
+    return "accepted"
