@@ -92,6 +92,9 @@ def soak_job(rank: int, world_size: int, root: str, seed: int) -> dict:
     marker = f"{root}/killed"
     ck = solosave.AsyncCheckpointer(assume_constant_structure=True, durable_root=f"{root}/durable", timeout=30)
     manager = CheckpointManager(f"{root}/fast", ck, keep_last=2)
+    # the notice thread's second SIGTERM may come after the guard closed: a real job is exiting then
+    # anyway; this one must live to report, so the handler the guard puts back ignores it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     guard = PreemptionGuard(manager, interval=0.02, timeout=20, save_timeout=30)
 
     def grace_end() -> None:
@@ -119,7 +122,7 @@ def soak_job(rank: int, world_size: int, root: str, seed: int) -> dict:
 
     stop = _train(rank, manager, guard, 200, trial["interval"], before)
     outcome = guard.outcome
-    guard.close()
+    guard.close()  # puts SIG_IGN back (set before the guard)
     manager.finish(30)
     assert outcome is not None and outcome.published and outcome.durable, outcome
     return {"stop": stop}
