@@ -118,8 +118,8 @@ class Copier:
         self.post: Callable[[DurableOutcome], None] | None = None
         self._cond = threading.Condition()
         self._queue: deque[CopyTask] = deque()
-        #: Tasks replaced by a newer one before they started, and that one's number (reported
-        #: by the copier's thread, which alone calls ``post``).
+        #: Tasks replaced by a newer one while the ranks might still choose them (the one offered
+        #: in a choice under way), and that one's number; reported by the copier's thread.
         self._superseded: list[tuple[CopyTask, int]] = []
         #: The task this rank offered in the choice under way (it may still be chosen).
         self._offered: int | None = None
@@ -149,8 +149,7 @@ class Copier:
                 self._thread.start()
             self._cond.notify_all()
         for old in now:  # while a stalled copy runs, so that retention may take their sources
-            self._post(DurableOutcome(old.seq, False, old.target, started_at=old.queued_at,
-                                      finished_at=time.time(), superseded_by=task.seq))
+            self._post(_superseded(old, task.seq))
 
     def pending(self) -> int:
         """Tasks queued or running."""
@@ -195,8 +194,7 @@ class Copier:
                     return
                 dropped, self._superseded = self._superseded, []
             for old, by in dropped:
-                self._post(DurableOutcome(old.seq, False, old.target, started_at=old.queued_at,
-                                          finished_at=time.time(), superseded_by=by))
+                self._post(_superseded(old, by))
             mark = self.channel.counter.mark()  # the task's collectives include the choice
             task = self._pick()
             if task is None:
@@ -380,6 +378,12 @@ class Copier:
             if errors:
                 raise errors[0]
             return total
+
+
+def _superseded(task: CopyTask, by: int) -> DurableOutcome:
+    """The outcome of ``task``, replaced by save ``by``'s copy before it started (step 0)."""
+    return DurableOutcome(task.seq, False, task.target, started_at=task.queued_at, finished_at=time.time(),
+                          superseded_by=by)
 
 
 def publish_copy(source: str, target: str, storage_options: Mapping[str, Any] | None = None,

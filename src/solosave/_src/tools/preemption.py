@@ -288,9 +288,8 @@ class PreemptionGuard:
         try:
             if getattr(m, "last_saved_step", None) != step:
                 m.save(step, state_dict() if callable(state_dict) else state_dict)
-            done = m.wait(self.save_timeout)
-            mine = next((d for d in done if d.step == step), None) or next(
-                (d for d in reversed(m.done) if d.step == step), None)
+            m.wait(self.save_timeout)
+            mine = next((d for d in reversed(m.done) if d.step == step), None)  # every save that ended
             published = mine is not None and mine.error is None and mine.result is not None
             error = None if published else str(mine.error if mine is not None else "the save did not end in time")
         except (SolosaveError, OSError, ValueError) as e:
