@@ -144,8 +144,8 @@ class Engine:
         copier = self.copier
         assert copier is not None  # noqa: S101 - checked by the caller
         timeout = self.channel.timeout
-        limit = MAX_PENDING if not copier.coalesce else MAX_PENDING + 1  # coalescing: never more than 2
-        copier.wait_until(lambda: copier.pending() < limit and not copier.busy_with(job.directory), timeout)
+        copier.wait_until(lambda: (copier.coalesce or copier.pending() < MAX_PENDING)
+                          and not copier.busy_with(job.directory), timeout)
         if job.abort is None and copier.busy_with(job.directory):
             return dataclasses.replace(job, abort=f"the durable copy of the earlier save to {job.directory} was "
                                                   f"still reading it after {timeout:g} s; it is not overwritten")

@@ -421,7 +421,7 @@ class AsyncCheckpointer:
                                f"{f.handle.seq if f is not None else 'none'}")
         self._session.absorb(outcome)
         durable = None
-        lag = self._copies.lag()  # the copies of earlier saves still pending
+        lag = self._copies.lag()  # earlier saves not yet on the durable tier
         if outcome.ok and outcome.durable:
             durable = self._copies.track(outcome.seq, outcome.durable, self._pump, self.options.timeout)
         complete(f.published, outcome, f.handle.path, self.rank, f.started, durable, f.save_id, lag)
